@@ -1,0 +1,67 @@
+"""``syncwatch`` command line: one subcommand per module, every flag with a SYNCWATCH_* twin."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# subcommand -> module providing ``register(subparsers)``; the module's parser sets ``func``.
+SUBCOMMANDS = {
+    "daemon": "syncwatch.daemon.main",
+    "demo": "syncwatch.sim.demo",
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_name(flag: str) -> str:
+    """``--path.sysfs`` -> ``SYNCWATCH_PATH_SYSFS``."""
+    return "SYNCWATCH_" + flag.lstrip("-").replace("-", "_").replace(".", "_").upper()
+
+
+def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kw) -> argparse.Action:
+    """Add ``flag`` whose default can come from its environment twin (see ``env_name``).
+
+    The help text names the twin and the default, so ``--help`` documents both.
+    """
+    env = kw.pop("env", None) or env_name(flag)
+    action = kw.get("action")
+    if env in os.environ:
+        raw = os.environ[env]
+        if action == "store_true":
+            low = raw.strip().lower()
+            if low not in _TRUE | _FALSE:
+                parser.error(f"{env}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+            kw["default"] = low in _TRUE
+        else:
+            conv = kw.get("type", str)
+            try:
+                kw["default"] = conv(raw)
+            except (TypeError, ValueError) as e:
+                parser.error(f"{env}={raw!r}: {e}")
+    suffix = f"[env {env}" + ("]" if action == "store_true" else "; default: %(default)s]")
+    return parser.add_argument(flag, help=f"{help} {suffix}", **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="syncwatch",
+        description="Make synchronization coupling in distributed training visible and alertable.")
+    from . import __version__
+    parser.add_argument("--version", action="version", version=f"syncwatch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in SUBCOMMANDS.values():
+        importlib.import_module(module).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

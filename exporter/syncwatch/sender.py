@@ -1,0 +1,190 @@
+"""Fire-and-forget datagram sender used inside training ranks.
+
+Contract: ``send()`` never raises and never blocks the caller. The common case is one
+non-blocking ``send`` on a connected socket (~0.4 us). What can go wrong, and what happens:
+
+* daemon absent (no socket file, nothing listening): the record is dropped and counted; the
+  sender reconnects with capped exponential backoff (0.05 s doubling to 5 s), so a daemon that
+  comes back receives records again within the backoff;
+* daemon restarted (our connected socket points at the old, closed one): ECONNREFUSED, so we
+  reconnect at once on the next send;
+* the daemon's queue is full (EAGAIN; a Unix datagram socket queues only
+  ``net.unix.max_dgram_qlen`` datagrams, 10 by default): the record goes to a small retry queue
+  that a background thread drains with 1 ms pauses for up to ``retry_seconds``; while that queue
+  is non-empty new records join it so they arrive in order. Only when it overflows or a record
+  ages out is it dropped and counted;
+* ``fork`` (DataLoader workers): the child gets a fresh socket, queue and thread on first use.
+
+``dropped`` is cumulative; callers put it into their next record so the daemon sees the loss.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import socket
+import threading
+import time
+
+DEFAULT_SOCKET = "/run/syncwatch/ingest.sock"
+ENV_SOCKET = "SYNCWATCH_SOCKET"
+ENV_UDP = "SYNCWATCH_UDP"
+
+_BACKOFF_MIN, _BACKOFF_MAX = 0.05, 5.0
+
+
+def parse_udp(address: str) -> tuple[str, int]:
+    """``"127.0.0.1:9478"`` or ``"[::1]:9478"`` -> (host, port)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        raise ValueError(f"UDP address must look like 127.0.0.1:9478, got {address!r}")
+    return host, int(port)
+
+
+class Sender:
+    def __init__(self, path: str | None = None, udp: str | None = None,
+                 retry_seconds: float = 1.0, retry_queue: int = 256):
+        """Send to the Unix datagram socket ``path`` (default ``$SYNCWATCH_SOCKET`` or
+        ``/run/syncwatch/ingest.sock``), or to UDP ``host:port`` when ``udp`` (or ``$SYNCWATCH_UDP``)
+        is set."""
+        udp = udp if udp is not None else os.environ.get(ENV_UDP) or None
+        if udp:
+            host, port = parse_udp(udp)
+            self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._address: object = (host, port)
+        else:
+            self._family = socket.AF_UNIX
+            self._address = path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
+        self.retry_seconds = retry_seconds
+        self.dropped = 0
+        self.sent = 0
+        self._queue_max = retry_queue
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._sock: socket.socket | None = None
+        self._next_connect = 0.0
+        self._backoff = _BACKOFF_MIN
+        self._pending: collections.deque[tuple[float, bytes]] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def address(self) -> object:
+        return self._address
+
+    def _connect(self) -> socket.socket | None:
+        now = time.monotonic()
+        if now < self._next_connect:
+            return None
+        s = socket.socket(self._family, socket.SOCK_DGRAM)
+        try:
+            s.setblocking(False)
+            s.connect(self._address)
+        except OSError:
+            s.close()
+            self._next_connect = now + self._backoff
+            self._backoff = min(self._backoff * 2, _BACKOFF_MAX)
+            return None
+        self._backoff = _BACKOFF_MIN
+        self._sock = s
+        return s
+
+    def _drop_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _try_send(self, data: bytes) -> bool | None:
+        """True: sent. False: lost for good. None: queue full at the receiver (EAGAIN), retry."""
+        s = self._sock or self._connect()
+        if s is None:
+            return False
+        try:
+            s.send(data)
+            return True
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            if e.errno in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTCONN, errno.EDESTADDRREQ,
+                           errno.EPIPE):
+                # Daemon restarted or gone: reconnect on the next send, at once.
+                self._drop_socket()
+                self._next_connect = 0.0
+            return False
+
+    def send(self, data: bytes) -> bool:
+        """Queue ``data`` for the daemon. Returns True if it left now or waits in the retry queue."""
+        try:
+            if self._pid != os.getpid():
+                self._reset()
+            if self._closed:
+                self.dropped += 1
+                return False
+            if self._pending:
+                return self._enqueue(data)
+            ok = self._try_send(data)
+            if ok:
+                self.sent += 1
+                return True
+            if ok is None:
+                return self._enqueue(data)
+            self.dropped += 1
+            return False
+        except Exception:  # never into the training loop
+            self.dropped += 1
+            return False
+
+    def _enqueue(self, data: bytes) -> bool:
+        with self._lock:
+            if len(self._pending) >= self._queue_max:
+                self._pending.popleft()
+                self.dropped += 1
+            self._pending.append((time.monotonic() + self.retry_seconds, data))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drain, name="syncwatch-sender",
+                                                daemon=True)
+                self._thread.start()
+        self._wake.set()
+        return True
+
+    def _drain(self) -> None:
+        while not self._closed:
+            self._wake.wait(1.0)
+            self._wake.clear()
+            while self._pending and not self._closed:
+                deadline, data = self._pending[0]
+                ok = self._try_send(data)
+                if ok is None and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                    continue
+                with self._lock:
+                    if self._pending and self._pending[0][1] is data:
+                        self._pending.popleft()
+                if ok:
+                    self.sent += 1
+                else:
+                    self.dropped += 1
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def flush(self, timeout: float = 1.0) -> bool:
+        """Wait up to ``timeout`` for the retry queue to drain (for shutdown, never per step)."""
+        end = time.monotonic() + timeout
+        while self._pending and time.monotonic() < end:
+            time.sleep(0.001)
+        return not self._pending
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        with self._lock:
+            self.dropped += len(self._pending)
+            self._pending.clear()
+        self._drop_socket()
