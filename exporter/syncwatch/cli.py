@@ -11,6 +11,7 @@ import sys
 SUBCOMMANDS = {
     "daemon": "syncwatch.daemon.main",
     "demo": "syncwatch.sim.demo",
+    "run": "syncwatch.instrument.run",
 }
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -74,6 +74,7 @@ def ddp_hook_wrapper(hook=None, _enabled=None):
             _state.in_ddp_hook -= 1
         return fut.then(functools.partial(_done, m))
 
+    syncwatch_wrapper_hook._syncwatch_wrapper = True
     syncwatch_wrapper_hook.__qualname__ = f"syncwatch_wrapper_hook({getattr(hook, '__qualname__', hook)})"
     return syncwatch_wrapper_hook
 
