@@ -108,7 +108,12 @@ class Monitor:
         self.last_step_wall = 0.0
         self.phase_idx = OTHER
         self.phase_since = time.perf_counter_ns()
-        self.in_sync = 0
+        # inside a collective: DDP buckets entered (autograd thread) vs completed (communication
+        # threads, through an atomic counter), and blocking wrapped collectives (caller's thread)
+        self._ddp_in = 0
+        self._ddp_out = itertools.count(1)
+        self._ddp_out_n = 0
+        self._coll_in = 0
         self.sync_since = 0
         self._stop = threading.Event()
         self._heartbeat = None
@@ -161,9 +166,9 @@ class Monitor:
         try:
             self.collective_sequence = next(self._seq)
             self._ddp_ready = self.clock.mark()
-            if self.in_sync == 0:
+            if not self.in_sync():
                 self.sync_since = time.perf_counter_ns()
-            self.in_sync += 1
+            self._ddp_in += 1
         except Exception:
             self._error()
 
@@ -171,9 +176,12 @@ class Monitor:
         """The bucket's collective finished (communication thread)."""
         try:
             self._ddp_done = self.clock.mark()
-            self.in_sync = max(self.in_sync - 1, 0)
+            self._ddp_out_n = next(self._ddp_out)
         except Exception:
             self._error()
+
+    def in_sync(self) -> bool:
+        return self._coll_in > 0 or self._ddp_in > self._ddp_out_n
 
     def _close_ddp(self) -> None:
         """Turn the last bucket's ready..done into the step's gradient wait."""
@@ -193,9 +201,9 @@ class Monitor:
             self.collective_sequence = next(self._seq)
             if not (kwargs.get("async_op") or (len(args) > async_index and args[async_index])):
                 start = self.clock.mark()
-                if self.in_sync == 0:
+                if not self.in_sync():
                     self.sync_since = time.perf_counter_ns()
-                self.in_sync += 1
+                self._coll_in += 1
         except Exception:
             self._error()
             start = None
@@ -205,7 +213,7 @@ class Monitor:
             return fn(*args, **kwargs)
         finally:
             try:
-                self.in_sync = max(self.in_sync - 1, 0)
+                self._coll_in -= 1
                 self._sync.append((start, self.clock.mark()))
             except Exception:
                 self._error()
@@ -295,7 +303,7 @@ class Monitor:
     def heartbeat(self) -> None:
         try:
             now = time.perf_counter_ns()
-            if self.in_sync > 0:
+            if self.in_sync():
                 idx, since = SYNC, self.sync_since
             else:
                 idx, since = self.phase_idx, self.phase_since
