@@ -58,10 +58,6 @@ def ddp_hook_wrapper(hook=None, _enabled=None):
         hook = allreduce_hook
     enabled = _enabled if _enabled is not None else [True]
 
-    def _done(monitor, fut):
-        monitor.bucket_done()
-        return fut.value()
-
     def syncwatch_wrapper_hook(state, bucket):
         m = _state.monitor
         if m is None or not enabled[0]:
@@ -72,7 +68,7 @@ def ddp_hook_wrapper(hook=None, _enabled=None):
             fut = hook(state, bucket)
         finally:
             _state.in_ddp_hook -= 1
-        return fut.then(functools.partial(_done, m))
+        return fut.then(m.bucket_done_then)
 
     syncwatch_wrapper_hook._syncwatch_wrapper = True
     syncwatch_wrapper_hook.__qualname__ = f"syncwatch_wrapper_hook({getattr(hook, '__qualname__', hook)})"

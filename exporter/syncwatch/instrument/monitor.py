@@ -43,16 +43,18 @@ def phase_index(name: str) -> int:
 class _Phase:
     """Context manager timing one phase. A plain class: ~4x cheaper than @contextmanager."""
 
-    __slots__ = ("_m", "_idx", "_start", "_sync0", "_prev", "_prev_since")
+    __slots__ = ("_m", "_idx", "_start", "_sync0", "_prev", "_prev_since", "active")
 
     def __init__(self, monitor: Monitor, idx: int):
         self._m = monitor
         self._idx = idx
+        self.active = False
 
     def __enter__(self):
         m = self._m
         try:
-            self._start = start = m.clock.mark()
+            self.active = True
+            self._start = start = m._mark()
             self._sync0 = len(m._sync)
             self._prev, self._prev_since = m.phase_idx, m.phase_since
             m.phase_idx = self._idx
@@ -64,12 +66,14 @@ class _Phase:
     def __exit__(self, *exc):
         m = self._m
         try:
-            end = m.clock.mark()
-            m._close_ddp()
+            end = m._mark()
+            if m._ddp_ready is not None:
+                m._close_ddp()
             m._spans.append((self._idx, self._start, end, self._sync0, len(m._sync)))
             if self._idx == CHECKPOINT:
                 m.totals.checkpoints += 1
             m.phase_idx, m.phase_since = self._prev, self._prev_since
+            self.active = False
         except Exception:
             m._error()
         return False  # never swallow the training code's exceptions
@@ -83,6 +87,8 @@ class Monitor:
         self.sender = sender
         self.clock = clock or HostClock()
         self._lazy = self.clock.lazy
+        self._mark = self.clock.mark
+        self._durations = self._durations_events if self._lazy else self._durations_host
         self.exchange = exchange
         self.exchange_every = exchange_every if exchange is not None else 0
         self.totals = Cumulative(phase_seconds=[0.0] * _NPH)
@@ -99,6 +105,7 @@ class Monitor:
         self._ddp_ready = None   # mark at entry of the latest bucket's hook
         self._ddp_done = None    # mark in the latest bucket's collective-done callback
         self._step_start = self.clock.mark()
+        self._phases = {name: _Phase(self, i) for name, i in PHASE_INDEX.items()}
         self._pending: collections.deque = collections.deque()
         self._window: list[float] = []
         # progress, read by the heartbeat thread
@@ -125,14 +132,21 @@ class Monitor:
     # ------------------------------------------------------------------ training-thread API
 
     def phase(self, name: str) -> _Phase:
-        return _Phase(self, PHASE_INDEX.get(name, OTHER))
+        """A context manager timing phase ``name`` (one reusable object per name: no allocation)."""
+        p = self._phases.get(name)
+        if p is None or p.active:  # first use of a custom name, or the same phase nested
+            p = _Phase(self, PHASE_INDEX.get(name, OTHER))
+            if len(self._phases) < 64:
+                self._phases.setdefault(name, p)
+        return p
 
     def step(self, samples: float = 0.0, tokens: float | None = None, step: int | None = None) -> None:
         """End the current step. ``step``: the job's own step number (default: previous + 1)."""
         try:
-            end = self.clock.mark()
+            end = self._mark()
             wall = time.time()
-            self._close_ddp()
+            if self._ddp_ready is not None:
+                self._close_ddp()
             if step is None:
                 number = self.last_step + 1
             else:
@@ -179,6 +193,11 @@ class Monitor:
             self._ddp_out_n = next(self._ddp_out)
         except Exception:
             self._error()
+
+    def bucket_done_then(self, fut):
+        """``.then`` callback of a bucket's future: mark it done, pass its value on."""
+        self.bucket_done()
+        return fut.value()
 
     def in_sync(self) -> bool:
         return self._coll_in > 0 or self._ddp_in > self._ddp_out_n
@@ -244,23 +263,37 @@ class Monitor:
             release(a)
             release(b)
 
-    def _emit(self, rec) -> None:
-        number, wall, s0, s1, spans, sync, grad, samples, tokens, seq, encoder = rec
-        el = self.clock.elapsed
-        step_s = max(el(s0, s1), 0.0)
-        sync_d = [max(el(a, b), 0.0) for a, b in sync]
+    @staticmethod
+    def _durations_host(s0, s1, spans, sync, grad):
+        """(step, phases, wait) in seconds from integer nanosecond marks: plain arithmetic."""
+        sync_ns = [b - a for a, b in sync]
         phases = [0.0] * _NPH
         for idx, a, b, lo, hi in spans:
             # a phase's own time excludes the collective waits inside it (they are ``sync``)
+            d = b - a - (sum(sync_ns[lo:hi]) if hi > lo else 0)
+            if d > 0:
+                phases[idx] += d * 1e-9
+        phases[SYNC] += sum(sync_ns) * 1e-9
+        wait = (grad[1] - grad[0]) * 1e-9 if grad is not None else phases[SYNC]
+        return max((s1 - s0) * 1e-9, 0.0), phases, max(wait, 0.0)
+
+    def _durations_events(self, s0, s1, spans, sync, grad):
+        el = self.clock.elapsed
+        sync_d = [max(el(a, b), 0.0) for a, b in sync]
+        phases = [0.0] * _NPH
+        for idx, a, b, lo, hi in spans:
             phases[idx] += max(el(a, b) - sum(sync_d[lo:hi]), 0.0)
         phases[SYNC] += sum(sync_d)
         wait = max(el(*grad), 0.0) if grad is not None else phases[SYNC]
+        return max(el(s0, s1), 0.0), phases, wait
+
+    def _emit(self, rec) -> None:
+        number, wall, s0, s1, spans, sync, grad, samples, tokens, seq, encoder = rec
+        step_s, phases, wait = self._durations(s0, s1, spans, sync, grad)
         t = self.totals
         t.steps += 1
         t.step_seconds += step_s
-        tp = t.phase_seconds
-        for i in range(_NPH):
-            tp[i] += phases[i]
+        t.phase_seconds = [a + b for a, b in zip(t.phase_seconds, phases)]
         t.samples += samples
         t.tokens += tokens
         if self.exchange_every:
