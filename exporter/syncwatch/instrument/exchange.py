@@ -34,10 +34,14 @@ class SkewExchange:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.results: collections.deque[WindowResult] = collections.deque()
         self.windows_done = 0
+        self.seconds = 0.0  # wall time spent in exchanges (this thread), for the benchmark
         self.failed = False
         self._submitted = 0
         self._thread = threading.Thread(target=self._run, name="syncwatch-skew", daemon=True)
         self._thread.start()
+
+    def in_flight(self) -> bool:
+        return self.windows_done < self._submitted
 
     def submit(self, waits: list[float]) -> None:
         """Hand over one window of this rank's waits (training thread; cheap)."""
@@ -49,6 +53,7 @@ class SkewExchange:
             waits = self._inbox.get()
             if waits is None:
                 return
+            t0 = time.perf_counter()
             try:
                 lo = self._tensor(waits)
                 hi = self._tensor(waits)
@@ -63,6 +68,7 @@ class SkewExchange:
                 self.failed = True
                 return
             finally:
+                self.seconds += time.perf_counter() - t0
                 self.windows_done += 1
 
     def drain(self, timeout: float) -> bool:
