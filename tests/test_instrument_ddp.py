@@ -121,17 +121,19 @@ def load(out: Path, world: int):
 
 def test_results_identical_with_daemon_absent_killed_and_restarted(sock_path, tmp_path):
     args = ["--steps", "60", "--slow-rank", "1", "--delay", "0.005"]
+    world = 3  # not a power of two: 1/3 is inexact, so the arithmetic must match DDP's exactly
     outs = {k: tmp_path / k for k in ("plain", "absent", "restarted")}
     for o in outs.values():
         o.mkdir()
-    plain = launch(2, [*args, "--out", str(outs["plain"])], tmp_path, "plain")
-    absent = launch(2, [*args, "--instrument", "explicit", "--out", str(outs["absent"])],
+    plain = launch(world, [*args, "--out", str(outs["plain"])], tmp_path, "plain")
+    absent = launch(world, [*args, "--instrument", "explicit", "--out", str(outs["absent"])],
                     tmp_path, "absent", SYNCWATCH_SOCKET=str(tmp_path / "nobody.sock"),
                     SYNCWATCH_SKEW_EVERY="10")
     config = DaemonConfig(listen="127.0.0.1:0", socket=sock_path, node="n1")
     first = daemon_app.DaemonThread(config)
+    second = daemon_app.DaemonThread(config)
     d = first.__enter__()
-    restarted = launch(2, [*args, "--instrument", "explicit", "--out", str(outs["restarted"]),
+    restarted = launch(world, [*args, "--instrument", "explicit", "--out", str(outs["restarted"]),
                            "--step-pause", "0.03"], tmp_path, "restarted",
                        SYNCWATCH_SOCKET=sock_path, SYNCWATCH_JOB="restarted",
                        SYNCWATCH_SKEW_EVERY="10")
@@ -142,23 +144,23 @@ def test_results_identical_with_daemon_absent_killed_and_restarted(sock_path, tm
         assert 5 <= steps_before < 40, "the daemon must go down mid-run"
         first.__exit__(None, None, None)      # daemon killed
         time.sleep(0.3)
-        second = daemon_app.DaemonThread(config)
         d = second.__enter__()                # and back
         finish(restarted, tmp_path, "restarted")
         m = scrape_until(d, lambda m: m.by_rank("syncwatch_last_step", train_job="restarted")
-                         == {0: 60.0, 1: 60.0})
+                         == {r: 60.0 for r in range(world)})
         # cumulative counters: the new daemon sees the whole run, not only what it received
-        assert m.by_rank("syncwatch_steps_total", train_job="restarted") == {0: 60.0, 1: 60.0}
-        assert m.by_rank("syncwatch_last_step", train_job="restarted") == {0: 60.0, 1: 60.0}
-        second.__exit__(None, None, None)
+        assert m.by_rank("syncwatch_steps_total", train_job="restarted") == {r: 60.0 for r in range(world)}
+        assert m.by_rank("syncwatch_last_step", train_job="restarted") == {r: 60.0 for r in range(world)}
+        finish(plain, tmp_path, "plain")
+        finish(absent, tmp_path, "absent")
     finally:
-        for p in restarted:
+        for p in plain + absent + restarted:
             p.kill()
-    finish(plain, tmp_path, "plain")
-    finish(absent, tmp_path, "absent")
-    ref = load(outs["plain"], 2)
+        first.__exit__(None, None, None)
+        second.__exit__(None, None, None)
+    ref = load(outs["plain"], world)
     for kind in ("absent", "restarted"):
-        for a, b in zip(ref, load(outs[kind], 2)):
+        for a, b in zip(ref, load(outs[kind], world)):
             for k in a["weights"]:
                 assert torch.equal(a["weights"][k], b["weights"][k]), (kind, k)
             for ga, gb in zip(a["grads"], b["grads"]):

@@ -1,7 +1,7 @@
 """DDP communication-hook wrapper and ``torch.distributed`` collective wrappers.
 
 The DDP wrapper composes like torch's ``fp16_compress_wrapper``: it wraps any hook (default
-``allreduce_hook``, the same arithmetic as DDP's built-in all-reduce: divide, then sum) and adds
+``mean_allreduce_hook``: exactly DDP's built-in arithmetic, multiply by 1/world then sum) and adds
 two timestamps per bucket, one at hook entry (the bucket's gradients are ready) and one in a
 ``.then`` callback (its collective is done). The last bucket's difference is the step's gradient
 wait: the time from the end of backward compute until the gradients are synchronized.
@@ -51,34 +51,56 @@ class Handle:
         return False
 
 
+def mean_allreduce_hook(process_group, bucket):
+    """DDP's built-in all-reduce as a hook, with its exact arithmetic.
+
+    The built-in multiplies each gradient by ``1/world`` while copying it into the bucket, then
+    sums. torch's Python ``allreduce_hook`` *divides* by the world size, which differs in the last
+    bit when the world size is not a power of two; this hook multiplies, so results stay equal.
+    Any comm hook costs one extra pass over the bucket (the built-in fuses it into the copy)."""
+    import torch.distributed as dist
+    group = process_group if process_group is not None else dist.group.WORLD
+    tensor = bucket.buffer()
+    tensor.mul_(1.0 / dist.get_world_size(group))
+    return original("all_reduce")(tensor, group=group, async_op=True).get_future()
+
+
 def ddp_hook_wrapper(hook=None, _enabled=None):
-    """Return a DDP comm hook that runs ``hook`` and measures the gradient wait."""
+    """Return a DDP comm hook that runs ``hook`` (default ``mean_allreduce_hook``) and measures
+    the gradient wait."""
+    first = hook is None  # the default hook's future holds [tensor]; unwrap it in our callback
     if hook is None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        hook = allreduce_hook
+        hook = mean_allreduce_hook
     enabled = _enabled if _enabled is not None else [True]
 
     def syncwatch_wrapper_hook(state, bucket):
         m = _state.monitor
         if m is None or not enabled[0]:
-            return hook(state, bucket)
+            fut = hook(state, bucket)
+            return fut.then(_first) if first else fut
         m.bucket_ready()
         _state.in_ddp_hook += 1
         try:
             fut = hook(state, bucket)
         finally:
             _state.in_ddp_hook -= 1
-        return fut.then(m.bucket_done_then)
+        return fut.then(m.bucket_done_first if first else m.bucket_done_then)
 
     syncwatch_wrapper_hook._syncwatch_wrapper = True
     syncwatch_wrapper_hook.__qualname__ = f"syncwatch_wrapper_hook({getattr(hook, '__qualname__', hook)})"
     return syncwatch_wrapper_hook
 
 
+def _first(fut):
+    return fut.value()[0]
+
+
 def register_ddp(model, hook=None, state=None) -> Handle:
     """Register ``ddp_hook_wrapper(hook)`` on a ``DistributedDataParallel`` model."""
     handle = Handle()
     enabled = [True]
+    if state is None and hook is None:
+        state = getattr(model, "process_group", None)  # the group DDP reduces over
     model.register_comm_hook(state, ddp_hook_wrapper(hook, enabled))
     handle.add(lambda: enabled.__setitem__(0, False))
     return handle

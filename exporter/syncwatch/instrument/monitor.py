@@ -199,6 +199,11 @@ class Monitor:
         self.bucket_done()
         return fut.value()
 
+    def bucket_done_first(self, fut):
+        """The same for a future holding ``[tensor]`` (a raw all-reduce work's future)."""
+        self.bucket_done()
+        return fut.value()[0]
+
     def in_sync(self) -> bool:
         return self._coll_in > 0 or self._ddp_in > self._ddp_out_n
 
