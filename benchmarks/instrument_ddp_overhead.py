@@ -40,7 +40,7 @@ def rank_main(a):
     plain, inst = DDP(make()), DDP(make())
     opt_p = torch.optim.SGD(plain.parameters(), lr=0.01)
     opt_i = torch.optim.SGD(inst.parameters(), lr=0.01)
-    m = sw.init(exchange_every=a.k, job="bench")
+    m = sw.init(exchange_every=a.k if a.arm == "full" else 0, job="bench")
     if a.arm == "full":
         sw.register(inst)
     elif a.arm == "python-hook":
@@ -60,6 +60,7 @@ def rank_main(a):
     step_times = {True: [], False: []}
 
     def inst_step():
+        busy = m.exchange.in_flight() if m.exchange else False  # an exchange runs meanwhile
         t0 = time.perf_counter()
         with sw.phase("data"):
             pass
@@ -74,7 +75,6 @@ def rank_main(a):
             pass
         with sw.phase("eval"):
             pass
-        busy = m.exchange.in_flight() if m.exchange else False
         sw.step(a.batch)
         step_times[busy].append(time.perf_counter() - t0)
 
@@ -93,6 +93,8 @@ def rank_main(a):
     ex = m.exchange
     if ex:
         ex.drain(5)
+    elif a.arm != "full":
+        ex = None
     if rank == 0:
         p, i = sum(times["plain"]), sum(times["inst"])
         ratios = [ti / tp for tp, ti in zip(times["plain"], times["inst"])]
