@@ -43,6 +43,8 @@ class GroundTruth:
     steps: list[StepTruth] = field(default_factory=list)      # every executed step (keep_steps)
     restarts: list[Restart] = field(default_factory=list)
     recent_step_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1000))
+    recent_last_arrival: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1000))
+    recent_skew: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1000))
     slack_seconds: list[float] = field(default_factory=list)   # per rank, all steps (model truth)
     last_arrivals: list[int] = field(default_factory=list)     # per rank, all steps (model truth)
     reported: list[Cumulative] = field(default_factory=list)   # per rank: totals in its last record
@@ -69,13 +71,12 @@ class GroundTruth:
         return sum(r.rerun_steps for r in self.restarts)
 
     def top_straggler(self, last: int = 0) -> tuple[int, int]:
-        """(rank, last arrivals) of the rank that arrived last most often (in the last ``last`` steps
-        of ``steps`` when given, else over the whole run)."""
+        """(rank, last arrivals) of the rank that arrived last most often: over the last ``last``
+        steps (at most 1000) when given, else over the whole run."""
         if last:
             counts = [0] * self.params.world_size
-            for s in self.steps[-last:]:
-                for r in s.last_arrivals:
-                    counts[r] += 1
+            for r in list(self.recent_last_arrival)[-last:]:
+                counts[r] += 1
         else:
             counts = self.last_arrivals
         rank = max(range(len(counts)), key=counts.__getitem__)
@@ -290,6 +291,8 @@ class Driver:
         truth.last_step = s.step
         truth.virtual_seconds = end
         truth.recent_step_seconds.append(s.step_seconds)
+        truth.recent_last_arrival.append(s.last_arrivals[0])
+        truth.recent_skew.append(s.skew)
         if self.keep_steps:
             truth.steps.append(s)
 
