@@ -11,8 +11,10 @@ before that step's records go out, so a finished run reports every step's slack;
 loses the partial window, as a real crash does.
 
 Clocks: ``fast=True`` runs on a virtual clock (no sleeping; wall times are ``start_wall`` + virtual
-seconds, so a fixed ``start_wall`` makes every record deterministic) and paces the senders so no
-record is lost to the Unix socket's 10-datagram queue. ``fast=False`` sleeps so each step takes its
+seconds, so a fixed ``start_wall`` makes every record deterministic) and sends in strict order: a
+record that meets the Unix socket's full 10-datagram queue is retried by its sender's thread and
+the driver waits for it to leave before the next record, so nothing is lost or reordered and the
+daemon's state is the same on every run. ``fast=False`` sleeps so each step takes its
 simulated time x ``time_scale`` and stamps records with the real wall clock (the demo).
 """
 
@@ -108,9 +110,17 @@ class _Rank:
                           self.last_arrivals, self.samples, 0.0, self.checkpoints,
                           self.sender.dropped if self.sender else 0, 0)
 
-    def send(self, data: bytes) -> None:
-        if self.sender is not None:
-            self.sender.send(data)
+    def send(self, data: bytes, in_order_within: float = 0.0) -> None:
+        """Send; with ``in_order_within`` > 0 (fast mode) also wait up to that long for a record
+        that met a full socket queue to leave, so the node's records reach the daemon in exactly
+        the order they were produced (a deterministic daemon state, down to float sums)."""
+        if self.sender is None:
+            return
+        self.sender.send(data)
+        if in_order_within and self.sender.pending():
+            deadline = time.monotonic() + in_order_within
+            while self.sender.pending() and time.monotonic() < deadline:
+                time.sleep(0.0002)
 
 
 class Driver:
@@ -142,6 +152,7 @@ class Driver:
         self.send_end = send_end
         self.node_prefix = node_prefix
         self.retry_seconds = retry_seconds
+        self._in_order = retry_seconds if fast else 0.0
         W = params.world_size
         self.truth = GroundTruth(params, job, slack_seconds=[0.0] * W, last_arrivals=[0] * W)
         self._window_steps: list[StepTruth] = []
@@ -189,13 +200,6 @@ class Driver:
             return True
         return not stop.wait(max(0.0, delay))
 
-    def _pace(self) -> None:
-        """Fast mode: let the senders' retry queues drain so nothing ages out or overflows."""
-        deadline = time.monotonic() + self.retry_seconds
-        for r in self.ranks:
-            while r.sender is not None and r.sender.pending() and time.monotonic() < deadline:
-                time.sleep(0.0005)
-
     # -- the run ---------------------------------------------------------------------------
 
     def run(self, steps: int = 0, stop: threading.Event | None = None) -> GroundTruth:
@@ -223,8 +227,6 @@ class Driver:
                     break
                 done += 1
                 self._step(event, last=steps > 0 and done == steps)
-                if self.fast:
-                    self._pace()
             else:
                 completed = True
         finally:
@@ -247,7 +249,7 @@ class Driver:
         for i, r in enumerate(self.ranks):
             phase, elapsed = _phase_at(s.phases[i], offset)
             r.send(r.encoder.heartbeat(wall, r.last_step, r.last_step_wall, phase, elapsed, r.seq,
-                                       r.sender.dropped if r.sender else 0))
+                                       r.sender.dropped if r.sender else 0), self._in_order)
         self.truth.heartbeat_records += len(self.ranks)
         self.truth.records_sent += len(self.ranks)
 
@@ -283,7 +285,7 @@ class Driver:
             truth.reported[i] = totals
             r.send(r.encoder.step(s.step, wall, s.step_seconds, s.waits[i], s.phases[i], r.seq,
                                   p.samples_per_step, 0.0, totals, exact=exact,
-                                  skew=skew if i == 0 else None))
+                                  skew=skew if i == 0 else None), self._in_order)
         n = len(self.ranks)
         truth.step_records += n
         truth.records_sent += n
@@ -315,7 +317,7 @@ class Driver:
         wall = self._wall(t.virtual_seconds)
         for r in self.ranks:
             if completed and self.send_end:
-                r.send(r.encoder.end(wall, r.last_step, "completed"))
+                r.send(r.encoder.end(wall, r.last_step, "completed"), self._in_order)
                 t.end_records += 1
                 t.records_sent += 1
         for r in self.ranks:
