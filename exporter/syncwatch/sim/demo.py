@@ -24,23 +24,29 @@ from .scenarios import SCENARIOS, ScenarioThread
 NODE_PREFIX = "sim-node-"
 
 
+def _flag(parser, flag: str, **kw) -> None:
+    """``add_flag`` with a SYNCWATCH_DEMO_* twin: ``SYNCWATCH_NODES`` or ``SYNCWATCH_DURATION`` set
+    for another subcommand must not change the demo."""
+    add_flag(parser, flag, env="SYNCWATCH_DEMO_" + flag.lstrip("-").replace("-", "_").upper(), **kw)
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "demo", help="run a simulated cluster against real daemons (one per simulated node)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flag(p, "--scenario", choices=SCENARIOS + ("scaling",), default="straggler",
+    _flag(p, "--scenario", choices=SCENARIOS + ("scaling",), default="straggler",
              help="what to simulate; 'scaling' prints the CV-vs-nodes sweep and exits")
-    add_flag(p, "--nodes", type=int, default=4, help="simulated nodes (one daemon each)")
-    add_flag(p, "--ranks-per-node", type=int, default=8, help="ranks (GPUs) per node")
-    add_flag(p, "--base-port", type=int, default=9477,
+    _flag(p, "--nodes", type=int, default=4, help="simulated nodes (one daemon each)")
+    _flag(p, "--ranks-per-node", type=int, default=8, help="ranks (GPUs) per node")
+    _flag(p, "--base-port", type=int, default=9477,
              help="daemon of node n listens on base-port + n (0 = pick free ports)")
-    add_flag(p, "--listen-host", default="127.0.0.1", help="address the daemons listen on")
-    add_flag(p, "--socket-dir", default="", help="directory for the ingest sockets (empty = a temporary one)")
-    add_flag(p, "--duration", type=float, default=0.0, help="seconds to run (0 = until Ctrl-C)")
-    add_flag(p, "--step-time", type=float, default=0.5, help="mean compute time of one step, seconds")
-    add_flag(p, "--seed", type=int, default=0, help="random seed of the simulation")
-    add_flag(p, "--job", default="", help="train_job label (empty = sim-SCENARIO)")
-    add_flag(p, "--summary-every", type=float, default=5.0, help="seconds between summary lines")
+    _flag(p, "--listen-host", default="127.0.0.1", help="address the daemons listen on")
+    _flag(p, "--socket-dir", default="", help="directory for the ingest sockets (empty = a temporary one)")
+    _flag(p, "--duration", type=float, default=0.0, help="seconds to run (0 = until Ctrl-C)")
+    _flag(p, "--step-time", type=float, default=0.5, help="mean compute time of one step, seconds")
+    _flag(p, "--seed", type=int, default=0, help="random seed of the simulation")
+    _flag(p, "--job", default="", help="train_job label (empty = sim-SCENARIO)")
+    _flag(p, "--summary-every", type=float, default=5.0, help="seconds between summary lines")
     p.set_defaults(func=main)
 
 
