@@ -11,6 +11,7 @@ import sys
 SUBCOMMANDS = {
     "daemon": "syncwatch.daemon.main",
     "demo": "syncwatch.sim.demo",
+    "jct": "syncwatch.analysis.jct",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
