@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "daemon": "syncwatch.daemon.main",
     "demo": "syncwatch.sim.demo",
     "jct": "syncwatch.analysis.jct",
+    "diagnose": "syncwatch.analysis.diagnose",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
