@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "demo": "syncwatch.sim.demo",
     "jct": "syncwatch.analysis.jct",
     "diagnose": "syncwatch.analysis.diagnose",
+    "project": "syncwatch.analysis.project",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
