@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "jct": "syncwatch.analysis.jct",
     "diagnose": "syncwatch.analysis.diagnose",
     "project": "syncwatch.analysis.project",
+    "report": "syncwatch.analysis.report",
 }
 
 _TRUE = {"1", "true", "yes", "on"}

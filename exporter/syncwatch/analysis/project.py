@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from .. import cli
 from .common import AnalysisError, command, emit_json, pct
 from .orderstats import normal_max_moments
+from .recording import select
 from .source import add_source_flags, view_from_args
 from .view import JobView
 
@@ -228,12 +229,10 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def measurement_from_args(args) -> Measurement:
-    view, run_data = view_from_args(args)
+def measurement(view: JobView, run_data: dict | None) -> Measurement:
+    """Exact from a recorded run's steps, else from the view's counters."""
     if run_data is not None:
-        from .recording import select
-        steps = [s for s in select(run_data, view.start, view.end)]
-        return measure_run(run_data, steps)
+        return measure_run(run_data, select(run_data, view.start, view.end))
     return measure_view(view)
 
 
@@ -277,7 +276,7 @@ def summary(res: dict) -> str:
 
 @command("project")
 def run(args) -> int:
-    m = measurement_from_args(args)
+    m = measurement(*view_from_args(args))
     o = Options(scaling=args.scaling, algorithm=args.algorithm, latency_us=args.latency_us,
                 congestion_exponent=args.congestion_exponent)
     res = projection(m, _targets(args.nodes, m.nodes), o, args.max_nodes or 64 * m.nodes)
