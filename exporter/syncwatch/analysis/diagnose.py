@@ -32,7 +32,7 @@ class Thresholds:
     persistent_share: float = 0.5      # one rank's share of last arrivals: a persistent straggler
     rotating_node_share: float = 0.6   # mean per-window share of the top node: node-level straggling
     oscillation: float = -0.5          # lag-1 autocorrelation of step time
-    collective_inflation: float = 1.5  # window collective time / median: a congestion episode
+    collective_inflation: float = 1.5  # window collective time / quiet baseline (20th percentile)
     inflated_windows: float = 0.1      # share of windows inflated: contention, not a blip
     correlation: float = 0.5           # Pearson r of collective time and congestion counters
     topology_growth: float = 1.3       # collective time growth (late / early) ...
@@ -317,7 +317,7 @@ def detect_fabric(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
     vals = _vals(coll)
     if len(vals) < 4:
         return []
-    base = statistics.median(vals)
+    base = statistics.quantiles(vals, n=5)[0]  # quiet windows: episodes may fill half of them
     if base <= 0:
         return []
     inflated = [x for x in vals if x >= th.collective_inflation * base]

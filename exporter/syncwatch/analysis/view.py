@@ -164,6 +164,9 @@ def windows(start: float, end: float, min_window: float) -> tuple[float, list[fl
 def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
                     min_window: float = 15.0) -> JobView:
     width, times = windows(start, end, min_window)
+    # PromQL durations are whole units: windows of whole milliseconds
+    width = max(1, round(width * 1000)) / 1000
+    times = [start + width * (i + 1) for i in range(len(times))]
     span = end - start
     sel = f"train_job={quote(job)}"
     info = prom.query(f"max by (rank, node, instance) (max_over_time(syncwatch_rank_info{{{sel}}}[{span:.0f}s]))", end)
@@ -180,6 +183,8 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
             if inst:
                 instance_node[inst] = node
 
+    w = f"{round(width * 1000)}ms"
+
     def per_window(expr: str) -> dict:
         return prom.query_range(expr, times[0], times[-1], width)
 
@@ -188,7 +193,6 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
         return [_finite(by_t.get(round(t, 3))) for t in times]
 
     per_rank: dict[str, dict[int, list[float | None]]] = {}
-    w = f"{width:.3f}s"
     for name, (metric, extra) in COUNTERS.items():
         res = per_window(f"sum by (rank) (increase({metric}{{{sel}{extra}}}[{w}]))")
         per_rank[name] = {int(label(k, "rank")): align(v) for k, v in res.items() if label(k, "rank") is not None}
@@ -202,7 +206,7 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
 
     hardware: dict[str, dict[str, list[float | None]]] = {}
     for name, expr in HARDWARE.items():
-        res = per_window(expr.replace("{w}", f"{width:.3f}"))
+        res = per_window(expr.replace("{w}s", w))
         rows: dict[str, list[float | None]] = {}
         for k, v in res.items():
             node = instance_node.get(label(k, "instance") or "")
