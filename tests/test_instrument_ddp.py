@@ -120,7 +120,7 @@ def load(out: Path, world: int):
 
 
 def test_results_identical_with_daemon_absent_killed_and_restarted(sock_path, tmp_path):
-    args = ["--steps", "60", "--slow-rank", "1", "--delay", "0.005"]
+    args = ["--steps", "40", "--slow-rank", "1", "--delay", "0.005"]
     world = 3  # not a power of two: 1/3 is inexact, so the arithmetic must match DDP's exactly
     outs = {k: tmp_path / k for k in ("plain", "absent", "restarted")}
     for o in outs.values():
@@ -138,12 +138,12 @@ def test_results_identical_with_daemon_absent_killed_and_restarted(sock_path, tm
         m = scrape_until(d, lambda m: min(m.by_rank("syncwatch_steps_total").values() or [0]) >= 5,
                          timeout=90)
         steps_before = max(m.by_rank("syncwatch_steps_total").values() or [0])
-        assert 5 <= steps_before < 40, "the daemon must go down mid-run"
+        assert 5 <= steps_before < 30, "the daemon must go down mid-run"
         first.__exit__(None, None, None)      # daemon killed
         time.sleep(0.3)
         d = second.__enter__()                # and back
         finish(restarted, tmp_path, "restarted")
-        every = {r: 60.0 for r in range(world)}
+        every = {r: 40.0 for r in range(world)}
         m = scrape_until(d, lambda m: m.by_rank("syncwatch_last_step", train_job="restarted") == every)
         # records resumed; cumulative counters make the new daemon whole (it missed steps)
         assert m.by_rank("syncwatch_last_step", train_job="restarted") == every
