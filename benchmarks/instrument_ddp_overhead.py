@@ -41,13 +41,16 @@ def rank_main(a):
     opt_p = torch.optim.SGD(plain.parameters(), lr=0.01)
     opt_i = torch.optim.SGD(inst.parameters(), lr=0.01)
     m = sw.init(exchange_every=a.k if a.arm == "full" else 0, job="bench")
-    if a.arm == "full":
+    if a.arm in ("full", "hook-only"):
         sw.register(inst)
     elif a.arm == "python-hook":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         inst.register_comm_hook(None, allreduce_hook)
-    if a.arm != "full":
+    if a.arm not in ("full", "hook-only", "calls-only"):
         sw.shutdown()
+    phase, end_step = sw.phase, sw.step
+    if a.arm == "hook-only":
+        phase, end_step = (lambda name: sw._NULL), (lambda samples: None)
     x = torch.randn(a.batch, a.hidden)
     y = torch.randn(a.batch, a.hidden)
 
@@ -62,34 +65,36 @@ def rank_main(a):
     def inst_step():
         busy = m.exchange.in_flight() if m.exchange else False  # an exchange runs meanwhile
         t0 = time.perf_counter()
-        with sw.phase("data"):
+        with phase("data"):
             pass
-        with sw.phase("forward"):
+        with phase("forward"):
             loss = nn.functional.mse_loss(inst(x), y)
-        with sw.phase("backward"):
+        with phase("backward"):
             opt_i.zero_grad()
             loss.backward()
-        with sw.phase("optimizer"):
+        with phase("optimizer"):
             opt_i.step()
-        with sw.phase("checkpoint"):
+        with phase("checkpoint"):
             pass
-        with sw.phase("eval"):
+        with phase("eval"):
             pass
-        sw.step(a.batch)
+        end_step(a.batch)
         step_times[busy].append(time.perf_counter() - t0)
 
     for _ in range(3):  # warm-up (DDP rebuilds buckets after the first iteration)
         plain_step()
         inst_step()
     times = {"plain": [], "inst": []}
+    cpu = {"plain": 0.0, "inst": 0.0}  # process CPU time: all threads, insensitive to other jobs
     for b in range(2 * a.blocks):
         arm = "inst" if b % 2 else "plain"
         fn = inst_step if arm == "inst" else plain_step
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(a.block_steps):
             fn()
         times[arm].append(time.perf_counter() - t0)
+        cpu[arm] += time.process_time() - c0
     ex = m.exchange
     if ex:
         ex.drain(5)
@@ -104,6 +109,8 @@ def rank_main(a):
         print(f"mean step: plain {p / n * 1e3:.3f} ms, instrumented {i / n * 1e3:.3f} ms")
         print(f"overhead ratio (instrumented/plain, total): {i / p:.4f}; "
               f"median of block ratios: {statistics.median(ratios):.4f}")
+        print(f"rank 0 process CPU per step: plain {cpu['plain'] / n * 1e3:.3f} ms, instrumented "
+              f"{cpu['inst'] / n * 1e3:.3f} ms, ratio {cpu['inst'] / cpu['plain']:.4f}")
         if ex: print(f"skew exchange (K={a.k}): {ex.windows_done} windows, "
               f"{ex.seconds / max(ex.windows_done, 1) * 1e3:.2f} ms each in its own thread, "
               f"payload 2 x {8 * a.k} bytes per rank")
@@ -124,9 +131,10 @@ def main():
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--k", type=int, default=50)
-    p.add_argument("--arm", choices=("full", "python-hook", "same"), default="full",
+    p.add_argument("--arm", choices=("full", "hook-only", "calls-only", "python-hook", "same"), default="full",
                    help="what the second model gets: syncwatch (full), torch's Python allreduce "
-                        "hook only, or nothing (A/A check of the method)")
+                        "hook only, or nothing (A/A check of the method); hook-only / calls-only "
+                        "split syncwatch into its DDP hook and its phase/step calls")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.rank_main:

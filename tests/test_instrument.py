@@ -387,3 +387,45 @@ def test_syncwatch_run_environment_and_errors(tmp_path):
                           "import sys; print('syncwatch.instrument.auto' in sys.modules)"],
                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "True", out.stderr
+
+
+def test_register_handle_remove_restores_torch_distributed():
+    dist = pytest.importorskip("torch.distributed")
+    import syncwatch.instrument as sw
+    from syncwatch.instrument.hooks import COLLECTIVES
+    before = {name: getattr(dist, name) for name in COLLECTIVES}
+    handle = sw.register(collectives=True)
+    try:
+        for name, fn in before.items():
+            assert getattr(dist, name) is not fn and getattr(dist, name)._syncwatch_original is fn
+        again = sw.register(collectives=True)  # idempotent: no wrapper around a wrapper
+        assert all(getattr(dist, n)._syncwatch_original is before[n] for n in before)
+        again.remove()
+    finally:
+        handle.remove()
+    assert {name: getattr(dist, name) for name in COLLECTIVES} == before
+
+
+def test_ddp_hook_wrapper_times_buckets_and_passes_through_when_detached(rx):
+    torch = pytest.importorskip("torch")
+    from syncwatch.instrument import _state
+    from syncwatch.instrument.hooks import ddp_hook_wrapper
+
+    def user_hook(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket * state)
+        return fut
+    enabled = [True]
+    hook = ddp_hook_wrapper(user_hook, enabled)
+    m = make_monitor(rx)
+    _state.monitor = m
+    try:
+        out = hook(2.0, torch.ones(3)).wait()
+        assert torch.equal(out, torch.full((3,), 2.0))          # the user's hook's result
+        assert m.collective_sequence == 1 and m._ddp_done is not None
+        enabled[0] = False                                      # handle.remove()
+        assert torch.equal(hook(3.0, torch.ones(3)).wait(), torch.full((3,), 3.0))
+        assert m.collective_sequence == 1
+    finally:
+        _state.monitor = None
+        m.shutdown()
