@@ -68,7 +68,8 @@ def mean_allreduce_hook(process_group, bucket):
 def ddp_hook_wrapper(hook=None, _enabled=None):
     """Return a DDP comm hook that runs ``hook`` (default ``mean_allreduce_hook``) and measures
     the gradient wait."""
-    first = hook is None  # the default hook's future holds [tensor]; unwrap it in our callback
+    # the default hook's future holds [tensor]; our callback unwraps it
+    first = hook is None or hook is mean_allreduce_hook
     if hook is None:
         hook = mean_allreduce_hook
     enabled = _enabled if _enabled is not None else [True]
