@@ -147,9 +147,10 @@ def test_xid_events_are_counted_per_gpu_and_xid():
     fake.xid(3, 79)
     fake.xid(3, 79)
     fake.xid(0, 13)
-    reg = cycle(collector)[0]
+    reg, _, families = cycle(collector)
     assert reg.get_sample_value("syncwatch_gpu_xid_errors_total", labels(3, xid="79")) == 2
     assert reg.get_sample_value("syncwatch_gpu_xid_errors_total", labels(0, xid="13")) == 1
+    check_golden("gpu_xid_errors", render([f for f in families if f.name == "syncwatch_gpu_xid_errors"]))
     reg = cycle(collector)[0]  # counters persist, no double counting
     assert reg.get_sample_value("syncwatch_gpu_xid_errors_total", labels(3, xid="79")) == 2
 
