@@ -7,6 +7,7 @@ the ``CollectorRunner`` the daemon takes as an extra collector. See docs/collect
 from __future__ import annotations
 
 import argparse
+import re
 
 from . import gpu, infiniband, net  # noqa: F401 - importing registers the collectors
 from .base import COLLECTORS, CollectorOptions, CollectorRunner, NoData, register
@@ -17,6 +18,15 @@ __all__ = ["COLLECTORS", "CollectorOptions", "CollectorRunner", "NoData", "regis
 
 def _dest(name: str) -> str:
     return f"collector_{name}"
+
+
+def regex(text: str) -> str:
+    """argparse type: a regular expression that compiles."""
+    try:
+        re.compile(text)
+    except re.error as e:
+        raise ValueError(f"{text!r}: {e}") from None
+    return text
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +48,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                   "called again while stuck; its last snapshot is withdrawn after 3 intervals + timeout).")
     add_flag(group, "--path.sysfs", dest="path_sysfs", metavar="DIR", default="/sys", help="Where the host's sysfs is mounted.")
     add_flag(group, "--path.procfs", dest="path_procfs", metavar="DIR", default="/proc", help="Where the host's procfs is mounted.")
-    add_flag(group, "--collector.net.exclude", dest="net_exclude", metavar="REGEX", default=CollectorOptions.net_exclude,
+    add_flag(group, "--collector.net.exclude", dest="net_exclude", metavar="REGEX", type=regex,
+             default=CollectorOptions.net_exclude,
              help="Regular expression of interface names the net collector skips ('' = none).")
 
 
