@@ -8,9 +8,9 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 
 import pytest
-from collections import Counter
 from prometheus_client import generate_latest
 from prometheus_client.core import GaugeMetricFamily
 

@@ -10,9 +10,9 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 
 import pytest
-from collections import Counter
 
 from collector_helpers import FIXTURES, promtool_check
 from conftest import subprocess_env
