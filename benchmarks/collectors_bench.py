@@ -3,7 +3,8 @@
     /work/main/.venv/bin/python benchmarks/collectors_bench.py [--cycles 200] [--scrapes 500]
 
 The GPU side runs on FakeNvml (pynvml's API in Python), so its figure is syncwatch's own cost per
-cycle, not the driver's latency. The sysfs side reads a real file tree on disk: 8 mlx5 ports with
+cycle, not the driver's latency. Scrapes are timed twice: rendering the runner alone, and a full HTTP GET of /metrics from a
+running daemon with the collectors' worker threads cycling. The sysfs side reads a real file tree on disk: 8 mlx5 ports with
 RoCE hw_counters (copied from tests/fixtures/sysfs/healthy) and two NICs. Targets (issue 4):
 scrape <= 20 ms, collector cycle <= 100 ms.
 """
@@ -16,6 +17,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +31,8 @@ from syncwatch.collectors.fake_nvml import FakeNvml, healthy_node  # noqa: E402
 from syncwatch.collectors.gpu import GpuCollector  # noqa: E402
 from syncwatch.collectors.infiniband import InfinibandCollector  # noqa: E402
 from syncwatch.collectors.net import NetCollector  # noqa: E402
+from syncwatch.daemon.app import DaemonThread  # noqa: E402
+from syncwatch.daemon.config import DaemonConfig  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "sysfs" / "healthy"
 
@@ -43,6 +47,20 @@ def ms(xs: list[float]) -> str:
     xs = sorted(xs)
     p99 = xs[min(len(xs) - 1, int(len(xs) * 0.99))]
     return f"median {statistics.median(xs) * 1e3:7.3f} ms   p99 {p99 * 1e3:7.3f} ms   max {xs[-1] * 1e3:7.3f} ms"
+
+
+def http_scrapes(runner: CollectorRunner, n: int) -> list[float]:
+    """Full scrapes over loopback HTTP of a daemon serving the runner (workers started)."""
+    config = DaemonConfig(listen="127.0.0.1:0", socket=None)
+    times = []
+    with DaemonThread(config, extra_collectors=[runner]) as daemon:
+        time.sleep(0.2)  # let every collector complete a cycle
+        for _ in range(n):
+            start = time.perf_counter()
+            with urllib.request.urlopen(daemon.url + "/metrics", timeout=10) as r:
+                r.read()
+            times.append(time.perf_counter() - start)
+    return times
 
 
 def main() -> None:
@@ -82,6 +100,7 @@ def main() -> None:
             generate_latest(registry)
             scrapes.append(time.perf_counter() - start)
         print(f"scrape (render, {series} series, {len(text)} bytes) {ms(scrapes)}")
+        print(f"scrape (HTTP GET /metrics of a running daemon) {ms(http_scrapes(runner, args.scrapes))}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
