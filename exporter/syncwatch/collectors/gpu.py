@@ -78,9 +78,9 @@ class GpuCollector:
         if self._ready:
             return
         now = self.clock()
-        if now < self._retry_at:
+        if now < self._retry_at:  # fresh exceptions: re-raising one instance grows its traceback
             if isinstance(self._init_failure, NoData):
-                raise self._init_failure
+                raise NoData(str(self._init_failure))
             raise RuntimeError(f"NVML unavailable ({self._init_failure}); retry in {self._retry_at - now:.0f}s")
         nv = self.nvml
         try:
