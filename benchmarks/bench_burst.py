@@ -4,7 +4,8 @@ Each of 64 processes (one per rank) sleeps until a shared CLOCK_MONOTONIC deadli
 its step record; 30 such steps. Modes:
   raw     a plain non-blocking send, EAGAIN = lost (what a sender without a retry queue loses)
   sender  syncwatch.sender.Sender (EAGAIN goes to its retry queue, drained within 1 s)
-for the Unix datagram socket (queue: net.unix.max_dgram_qlen) and UDP on loopback (4 MiB buffer).
+for the Unix datagram socket (queue: net.unix.max_dgram_qlen) and UDP on loopback (4 MiB buffer),
+and again while another 448 ranks' state (512 in all) is scraped back to back.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import threading
 import time
+import urllib.request
 
 from _common import DaemonProcess, encoder, machine, step_record
 
@@ -55,8 +58,25 @@ def rank_main(rank, mode, transport, address, start, out):
         out.put(lost)
 
 
-def run(mode: str, transport: str) -> tuple[int, int, int]:
+def preload_and_scrape(d: DaemonProcess, stop: threading.Event) -> None:
+    """448 more ranks of another job (512 in all), then scrape back to back until ``stop``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.connect(d.socket)
+    encs = [encoder(r, world=448, job="other") for r in range(448)]
+    for step in range(1, 101):
+        for e in encs:
+            sock.send(step_record(e, step))
+    while not stop.is_set():
+        with urllib.request.urlopen(d.url + "/metrics") as r:
+            r.read()
+
+
+def run(mode: str, transport: str, scraping: bool = False) -> tuple[int, int, int]:
     d = DaemonProcess(udp=transport == "udp")
+    stop = threading.Event()
+    scraper = threading.Thread(target=preload_and_scrape, args=(d, stop))
+    if scraping:
+        scraper.start()
     try:
         address = d.socket if transport == "unix" else d.udp
         ctx = mp.get_context("fork")
@@ -70,9 +90,13 @@ def run(mode: str, transport: str) -> tuple[int, int, int]:
         for p in procs:
             p.join()
         time.sleep(0.5)
-        accepted = d.healthz()["records"]
+        stop.set()
+        if scraping:
+            scraper.join()
+        accepted = d.healthz()["records"] - (448 * 100 if scraping else 0)
         return RANKS * STEPS, accepted, lost_at_sender
     finally:
+        stop.set()
         d.stop()
 
 
@@ -80,12 +104,14 @@ def main() -> None:
     print(f"machine: {machine()}; net.unix.max_dgram_qlen = "
           f"{open('/proc/sys/net/unix/max_dgram_qlen').read().strip()}")
     print(f"{RANKS} processes x {STEPS} steps, all ranks ending each step at the same instant")
-    for transport in ("unix", "udp"):
-        for mode in ("raw", "sender"):
-            sent, accepted, lost = run(mode, transport)
-            print(f"{transport:4s} {mode:6s}: sent {sent}, daemon accepted {accepted}, "
-                  f"lost {sent - accepted} ({100 * (sent - accepted) / sent:.1f} %), "
-                  f"counted as dropped by the senders {lost}")
+    for transport, mode, scraping in (("unix", "raw", False), ("unix", "sender", False),
+                                      ("udp", "raw", False), ("udp", "sender", False),
+                                      ("unix", "sender", True), ("udp", "raw", True)):
+        sent, accepted, lost = run(mode, transport, scraping)
+        during = " during back-to-back scrapes of 512 ranks" if scraping else ""
+        print(f"{transport:4s} {mode:6s}{during}: sent {sent}, daemon accepted {accepted}, "
+              f"lost {sent - accepted} ({100 * (sent - accepted) / sent:.1f} %), "
+              f"counted as dropped by the senders {lost}")
 
 
 if __name__ == "__main__":
