@@ -17,9 +17,6 @@ sys.path.insert(0, os.path.join(ROOT, "exporter"))
 from syncwatch.protocol import Cumulative, Encoder, Identity  # noqa: E402
 
 WALL0 = 1_800_000_000.0
-_RUN = ("import sys, argparse; from syncwatch.daemon import main as m; "
-        "p = argparse.ArgumentParser(); m.register(p.add_subparsers()); "
-        "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
 
 
 class DaemonProcess:
@@ -28,7 +25,7 @@ class DaemonProcess:
     def __init__(self, udp: bool = False, *flags: str):
         self.socket = os.path.join(tempfile.mkdtemp(prefix="sw-bench-"), "ingest.sock")
         env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "exporter"))
-        cmd = [sys.executable, "-c", _RUN, "daemon", "--listen", "127.0.0.1:0", "--socket",
+        cmd = [sys.executable, "-m", "syncwatch", "daemon", "--listen", "127.0.0.1:0", "--socket",
                self.socket, "--log-level", "info", *flags]
         if udp:
             cmd += ["--udp", "127.0.0.1:0"]
