@@ -11,6 +11,8 @@ import sys
 SUBCOMMANDS = {
     "daemon": "syncwatch.daemon.main",
     "demo": "syncwatch.sim.demo",
+    "rules": "syncwatch.rules.main",
+    "stack": "syncwatch.stack",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
