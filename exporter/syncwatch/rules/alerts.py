@@ -224,13 +224,13 @@ def hardware(c: Ctx) -> list[dict]:
         alert(c, "SyncwatchNicLinkErrors",
               f"sum by (instance, device) (rate(syncwatch_nic_errors_total[{hw}])) > {t.nic_errors_per_s:g}\n"
               f"or\nsum by (instance, device) (increase(syncwatch_nic_carrier_changes_total[{hw}])) > 0",
-              w.for_fabric, "warning",
+              w.for_link_errors, "warning",
               "A network interface shows errors or a flapping link.",
               f"NIC {{{{ $labels.device }}}} on {INSTANCE} shows errors or carrier changes in the last "
               f"{hw}."),
         alert(c, "SyncwatchIbLinkErrors",
               f"sum by (instance, device, port) (increase({ib_errors}[{hw}])) > 0",
-              w.for_fabric, "warning",
+              w.for_link_errors, "warning",
               "An InfiniBand port shows link errors.",
               f"InfiniBand port {{{{ $labels.device }}}}/{{{{ $labels.port }}}} on {INSTANCE} counted "
               f"{_num('%.0f')} link errors (symbol, receive, integrity, overrun, link down) in the "

@@ -28,7 +28,7 @@ class Windows:
     restarts: float = 1 * HOUR          # restarts and re-run ratio
     hardware: float = 10 * MINUTE       # error counter increases (XID, NIC, IB)
     desync: float = 5 * MINUTE          # a rank's collective sequence unchanged this long
-    lost_lookback: float = 10 * MINUTE  # a rank seen this recently but gone now is lost
+    lost_lookback: float = 30 * MINUTE  # a rank seen this recently but gone now is lost
     # for: durations
     for_variance: float = 10 * MINUTE
     for_instability: float = 15 * MINUTE
@@ -36,7 +36,7 @@ class Windows:
     for_straggler: float = 10 * MINUTE
     for_skew: float = 15 * MINUTE
     for_coupling: float = 30 * MINUTE
-    for_stall: float = 2 * MINUTE
+    for_stall: float = 1 * MINUTE
     for_desync: float = 2 * MINUTE
     for_lost: float = 2 * MINUTE
     for_restarts: float = 1 * MINUTE
@@ -46,6 +46,7 @@ class Windows:
     for_throttle: float = 5 * MINUTE
     for_gpu_lost: float = 1 * MINUTE
     for_xid: float = 1 * MINUTE
+    for_link_errors: float = 5 * MINUTE  # shorter than the hardware window, so one burst fires
     for_fabric: float = 10 * MINUTE
     for_daemon_down: float = 5 * MINUTE
     for_collector: float = 15 * MINUTE
