@@ -91,6 +91,12 @@ def recording_rules(c: Ctx) -> list[dict]:
                  f"{rate_by('syncwatch_barrier_skew_seconds_bucket', r, 'train_job, le')})"},
         {"record": "train_job:syncwatch_skew_step:ratio5m",
          "expr": "train_job:syncwatch_barrier_skew_seconds:mean5m\n/\ntrain_job:syncwatch_step_seconds:mean5m"},
+        {"record": "train_job:syncwatch_skew_step:baseline",
+         "expr": f"avg_over_time(train_job:syncwatch_skew_step:ratio5m[{c.d(w.baseline)}] "
+                 f"offset {c.d(w.baseline_offset)})"},
+        {"record": "train_job:syncwatch_skew_step:growth",
+         "expr": f"train_job:syncwatch_skew_step:ratio5m\n/\n"
+                 f"clamp_min(train_job:syncwatch_skew_step:baseline, {t.skew_growth_floor:g})"},
         # --- oscillation: strongly negative lag-1 autocorrelation of step time
         {"record": "train_job:syncwatch_step_autocorrelation:avg",
          "expr": "avg by (train_job) (syncwatch_step_autocorrelation)"},
@@ -125,8 +131,12 @@ def recording_rules(c: Ctx) -> list[dict]:
                  f"offset {c.d(w.baseline_offset)})"},
         # --- instability: components (each 0..1) and their noisy-OR combination
         _component("cv", "train_job:syncwatch_step_cv:avg5m", t.inst_cv_ok, t.inst_cv_bad),
+        _component("cv_counters", "train_job:syncwatch_step_cv:counters10m", t.inst_cv_counters_ok,
+                   t.inst_cv_counters_bad),
         _component("cv_growth", "train_job:syncwatch_step_cv:growth", t.inst_growth_ok, t.inst_growth_bad),
         _component("skew", "train_job:syncwatch_skew_step:ratio5m", t.inst_skew_ok, t.inst_skew_bad),
+        _component("skew_growth", "train_job:syncwatch_skew_step:growth", t.inst_skew_growth_ok,
+                   t.inst_skew_growth_bad),
         _component("oscillation", "train_job:syncwatch_oscillation:avg5m", t.inst_osc_ok, t.inst_osc_bad),
         _component("rerun", "train_job:syncwatch_rerun:ratio1h", t.inst_rerun_ok, t.inst_rerun_bad),
         # 1 - prod(1 - c_i), written as a sum of logs so a missing component simply drops out.

@@ -92,10 +92,15 @@ class Thresholds:
     # instability score components: 0 at *_ok, 1 at *_bad, linear between, clamped
     inst_cv_ok: float = 0.05
     inst_cv_bad: float = 0.20
+    inst_cv_counters_ok: float = 0.015  # CV of 1-minute mean step times over 10 minutes
+    inst_cv_counters_bad: float = 0.035
     inst_growth_ok: float = 1.25
     inst_growth_bad: float = 3.0
-    inst_skew_ok: float = 0.03
-    inst_skew_bad: float = 0.20
+    inst_skew_ok: float = 0.10          # jitter alone gives ~0.05 at 32 ranks, ~0.09 at 512
+    inst_skew_bad: float = 0.25
+    inst_skew_growth_ok: float = 1.2    # skew/step against the job's own earlier skew/step
+    inst_skew_growth_bad: float = 1.5
+    skew_growth_floor: float = 0.01     # the earlier skew/step is floored here
     inst_osc_ok: float = 0.2            # -autocorrelation; healthy noise sits near 0 +- 0.1 at W=100
     inst_osc_bad: float = 0.7
     inst_rerun_ok: float = 0.0
