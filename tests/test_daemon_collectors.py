@@ -87,10 +87,7 @@ def test_failing_and_hanging_collectors_never_fail_or_delay_a_scrape():
 
 
 def _daemon_cmd(*flags: str) -> list[str]:
-    code = ("import sys, argparse; from syncwatch.daemon import main as m; "
-            "p = argparse.ArgumentParser(); m.register(p.add_subparsers()); "
-            "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
-    return [sys.executable, "-c", code, "daemon", "--listen", "127.0.0.1:0", "--socket", "",
+    return [sys.executable, "-m", "syncwatch", "daemon", "--listen", "127.0.0.1:0", "--socket", "",
             "--log-level", "error", *flags]
 
 
