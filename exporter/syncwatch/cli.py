@@ -15,7 +15,12 @@ SUBCOMMANDS = {
     "diagnose": "syncwatch.analysis.diagnose",
     "project": "syncwatch.analysis.project",
     "report": "syncwatch.analysis.report",
+<<<<<<< HEAD
     "run": "syncwatch.instrument.run",
+=======
+    "rules": "syncwatch.rules.main",
+    "stack": "syncwatch.stack",
+>>>>>>> main
 }
 
 _TRUE = {"1", "true", "yes", "on"}
