@@ -15,12 +15,9 @@ SUBCOMMANDS = {
     "diagnose": "syncwatch.analysis.diagnose",
     "project": "syncwatch.analysis.project",
     "report": "syncwatch.analysis.report",
-<<<<<<< HEAD
-    "run": "syncwatch.instrument.run",
-=======
     "rules": "syncwatch.rules.main",
+    "run": "syncwatch.instrument.run",
     "stack": "syncwatch.stack",
->>>>>>> main
 }
 
 _TRUE = {"1", "true", "yes", "on"}
