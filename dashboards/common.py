@@ -37,12 +37,9 @@ ON_DAEMON = ('* on (instance) group_left (node) '
              'max by (instance, node) (syncwatch_rank_info{train_job="$train_job", node=~"$node"})')
 
 # Shared PromQL expressions (per train job).
-STEP_RATE_JOB = f'max by (train_job) (rate(syncwatch_steps_total{{{JOB}}}[{RATE}]))'
 MEAN_SKEW = (f'sum by (train_job) (rate(syncwatch_barrier_skew_seconds_sum{{{JOB}}}[{RATE}]))'
              f' / sum by (train_job) (rate(syncwatch_barrier_skew_seconds_count{{{JOB}}}[{RATE}]))')
-SKEW_PER_STEP = f'({MEAN_SKEW}) / on (train_job) train_job:syncwatch_step_seconds:mean5m{{{JOB}}}'
-STEP_CV = f'avg by (train_job) (syncwatch_step_cv{{{JOB}}})'
-OSCILLATION = f'clamp_min(-avg by (train_job) (syncwatch_step_autocorrelation{{{JOB}}}), 0)'
+#: Share of all computed steps that were repeats after restarts, since the job began.
 RERUN_RATIO = (f'max by (train_job) (syncwatch_job_rerun_steps_total{{{JOB}}})'
                f' / on (train_job) (max by (train_job) (syncwatch_job_rerun_steps_total{{{JOB}}})'
                f' + on (train_job) max by (train_job) (syncwatch_last_step{{{JOB}}}))')

@@ -55,13 +55,11 @@ def build() -> db.Dashboard:
                   unit="percentunit", w=9)
             .min(0))
         .with_panel(
-            panel(timeseries.Panel(), "Throughput per GPU and GPUs idle at barriers",
-                  "Samples per second per GPU (left), and how many GPUs' worth of time the job "
-                  "spends idle waiting for slower peers (sum of slack rates: 2.5 = two and a half "
-                  "GPUs doing nothing on average).",
+            panel(timeseries.Panel(), "Throughput per GPU against its baseline",
+                  "Samples per second per GPU now, and the trailing baseline the efficiency ratio "
+                  "divides by (1 h average, 10 m ago). The gap is the output each GPU lost.",
                   query(per_gpu, "samples/s per GPU"),
-                  query(f'sum by (train_job) (rate(syncwatch_slack_seconds_total{{{JOB}}}[{RATE}]))',
-                        "GPUs idle at barriers"),
+                  query(f'train_job:syncwatch_samples_per_gpu:baseline1h{{{JOB}}}', "baseline"),
                   unit="short", w=9)
             .min(0))
         .with_row(db.Row("Energy"))
@@ -70,7 +68,15 @@ def build() -> db.Dashboard:
                   "Joules the job's GPUs spend per sample processed (5 m). Rising while throughput "
                   "is flat: energy outpacing output (waiting GPUs still draw power).",
                   query(f'train_job:syncwatch_energy_per_sample:joules5m{{{JOB}}}', "J / sample"),
-                  unit="joule", w=8)
+                  unit="joule", w=6)
+            .min(0))
+        .with_panel(
+            panel(timeseries.Panel(), "GPUs idle at barriers",
+                  "How many GPUs' worth of time the job spends idle waiting for slower peers (sum "
+                  "of the ranks' slack rates): 2.5 = two and a half GPUs paid for doing nothing.",
+                  query(f'sum by (train_job) (rate(syncwatch_slack_seconds_total{{{JOB}}}[{RATE}]))',
+                        "GPUs idle"),
+                  unit="short", w=6)
             .min(0))
         .with_panel(
             panel(timeseries.Panel(), "Power burned waiting at barriers",
@@ -79,7 +85,7 @@ def build() -> db.Dashboard:
                   "the share of the energy bill paid for waiting.",
                   query(_waiting_watts(RATE), "while waiting"),
                   query(f'sum by (train_job) ({_energy_rate(RATE)})', "all GPUs of the job"),
-                  unit="watt", w=8)
+                  unit="watt", w=6)
             .min(0))
         .with_panel(
             panel(stat.Panel(), "Energy burned waiting in range",
@@ -88,16 +94,18 @@ def build() -> db.Dashboard:
                   query(f'{_waiting_watts("$__range")} * $__range_s', "joules while waiting", instant=True),
                   query(f'{_waiting_watts("$__range")} / on (train_job) '
                         f'sum by (train_job) ({_energy_rate("$__range")})', "share of GPU energy", instant=True),
-                  w=8)
+                  w=6)
             .override_by_name("share of GPU energy", [unit_override("percentunit")])
             .unit("joule"))
         .with_row(db.Row("Work lost"))
         .with_panel(
             panel(timeseries.Panel(), "Re-run ratio",
                   "Share of all computed steps that repeated work lost at a restart (steps between "
-                  "the last checkpoint and the failure). Each step up is one restart; its height "
-                  "says the checkpoint interval is too long for the failure rate.",
-                  query(RERUN_RATIO, "re-run ratio"),
+                  "the last checkpoint and the failure), since the job began and over the last hour "
+                  "(the alerting view). Each step up is one restart; a tall step says the checkpoint "
+                  "interval is too long for the failure rate.",
+                  query(RERUN_RATIO, "since the job began"),
+                  query(f'train_job:syncwatch_rerun:ratio1h{{{JOB}}}', "last hour"),
                   unit="percentunit")
             .min(0))
         .with_panel(

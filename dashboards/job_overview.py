@@ -6,8 +6,7 @@ from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import stat, table, timeseries
 from grafana_foundation_sdk.builders import common as cb
 
-from .common import (JOB, MEAN_SKEW, OSCILLATION, RATE, RERUN_RATIO, SKEW_PER_STEP, STEP_CV,
-                     dashboard, legend_table, panel, query, thresholds, train_job_variable)
+from .common import (JOB, RATE, dashboard, legend_table, panel, query, thresholds, train_job_variable)
 
 UID = "syncwatch-job-overview"
 
@@ -89,17 +88,15 @@ def build() -> db.Dashboard:
             .min(0).legend(legend_table("mean", "max", "lastNotNull")))
         .with_panel(
             panel(timeseries.Panel(), "Instability score and its components",
-                  "Instability beside its inputs: step-time coefficient of variation over the last "
-                  "W steps, mean barrier skew as a share of step time, oscillation (negative lag-1 "
-                  "autocorrelation of step time: fast/slow alternation) and the share of steps "
-                  "re-run after restarts. The component that moves with the score is the failure mode.",
+                  "Instability beside its components, each scaled 0..1 by the recording rules: cv "
+                  "(step-time coefficient of variation), cv_growth (CV against its own baseline), "
+                  "skew (barrier skew per step), oscillation (fast/slow alternation: negative lag-1 "
+                  "autocorrelation) and rerun (share of steps repeated after restarts). The "
+                  "component that rises with the score is the failure mode.",
                   query(f'train_job:syncwatch_instability:score{{{JOB}}}', "instability"),
-                  query(STEP_CV, "step CV"),
-                  query(SKEW_PER_STEP, "skew / step"),
-                  query(OSCILLATION, "oscillation"),
-                  query(RERUN_RATIO, "re-run ratio"),
+                  query(f'train_job:syncwatch_instability:component{{{JOB}}}', "{{component}}"),
                   unit="percentunit")
-            .min(0).legend(legend_table("mean", "max", "lastNotNull")))
+            .min(0).max(1).legend(legend_table("mean", "max", "lastNotNull")))
         .with_row(db.Row("Throughput and step time"))
         .with_panel(
             panel(timeseries.Panel(), "Throughput against ideal linear scaling",
@@ -127,8 +124,8 @@ def build() -> db.Dashboard:
                   "Coefficient of variation of step time over each rank's last W steps (mean and "
                   "worst rank). Synchronous ranks share one step time, so the lines agree; growth "
                   "is the early sign of coupling.",
-                  query(STEP_CV, "mean over ranks"),
-                  query(f'max by (train_job) (syncwatch_step_cv{{{JOB}}})', "worst rank"),
+                  query(f'avg by (train_job) (syncwatch_step_cv{{{JOB}}})', "mean over ranks"),
+                  query(f'train_job:syncwatch_step_cv:max{{{JOB}}}', "worst rank"),
                   unit="percentunit", w=8)
             .min(0))
         .with_panel(
@@ -137,16 +134,15 @@ def build() -> db.Dashboard:
                   "arrival times) as a share of step time. Skew near the sync tax: the sync phase is "
                   "mostly waiting for late ranks, not transfer.",
                   query(f'train_job:syncwatch_sync_tax:ratio5m{{{JOB}}}', "sync tax"),
-                  query(SKEW_PER_STEP, "skew / step"),
+                  query(f'train_job:syncwatch_skew_step:ratio5m{{{JOB}}}', "skew / step"),
                   unit="percentunit", w=8)
             .min(0))
         .with_panel(
             panel(timeseries.Panel(), "Barrier skew",
-                  "Mean and p99 of the per-step barrier skew (largest slack of a step), measured "
-                  "exactly by the ranks' MIN/MAX exchange.",
-                  query(MEAN_SKEW, "mean"),
-                  query('histogram_quantile(0.99, sum by (le) (rate('
-                        f'syncwatch_barrier_skew_seconds_bucket{{{JOB}}}[{RATE}])))', "p99"),
+                  "Mean and p99 of the per-step barrier skew (largest slack of a step, 5 m), measured "
+                  "exactly by the ranks' MIN/MAX exchange. Compare with the mean step time.",
+                  query(f'train_job:syncwatch_barrier_skew_seconds:mean5m{{{JOB}}}', "mean"),
+                  query(f'train_job:syncwatch_barrier_skew_seconds:p99_5m{{{JOB}}}', "p99"),
                   unit="s", w=8)
             .min(0))
         .with_row(db.Row("Restarts and alerts"))
