@@ -129,18 +129,19 @@ def build() -> db.Dashboard:
         .with_row(db.Row("GPU error events"))
         .with_panel(
             panel(table.Panel(), "XID errors",
-                  "XID error events per GPU in the shown range (driver-reported faults: 79 = GPU "
-                  "fell off the bus, 48/63/64 = ECC, 13/31/43 = application faults). Any count on a "
-                  "node with late ranks or a restart is the likely cause.",
-                  query(f'sum by (node, gpu, xid) (increase(syncwatch_gpu_xid_errors_total[$__range]) {ON_DAEMON})',
+                  "XID error events per GPU and XID code since the node daemon started (driver-"
+                  "reported faults: 79 = GPU fell off the bus, 48/63/64 = ECC, 13/31/43 = "
+                  "application faults). A count on a node with late ranks or before a restart is "
+                  "the likely cause. Only GPUs that had an event are listed.",
+                  query(f'sum by (node, gpu, xid) (syncwatch_gpu_xid_errors_total {ON_DAEMON})',
                         instant=True, table=True),
                   w=8)
             .sort_by([cb.TableSortByFieldState().display_name("Value").desc(True)]))
         .with_panel(
             panel(table.Panel(), "ECC errors",
-                  "ECC error counts per GPU and type in the shown range. Uncorrected errors end "
+                  "ECC error counts per GPU and type as NVML reports them. Uncorrected errors end "
                   "jobs; a climbing corrected count predicts them.",
-                  query(f'sum by (node, gpu, type) (increase(syncwatch_gpu_ecc_errors_total[$__range]) {ON_DAEMON})',
+                  query(f'sum by (node, gpu, type) (syncwatch_gpu_ecc_errors_total {ON_DAEMON})',
                         instant=True, table=True),
                   w=8)
             .sort_by([cb.TableSortByFieldState().display_name("Value").desc(True)]))
