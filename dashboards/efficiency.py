@@ -110,10 +110,10 @@ def build() -> db.Dashboard:
             .min(0))
         .with_panel(
             panel(timeseries.Panel(), "Checkpoint time share",
-                  "Share of wall time spent writing checkpoints (10 m window). Together with the "
+                  "Share of the ranks' time spent in the checkpoint phase (5 m). Together with the "
                   "re-run ratio it sets the checkpoint interval: more frequent checkpoints cost "
                   "this, rarer ones cost re-runs.",
-                  query(f'sum by (train_job) (rate(syncwatch_checkpoint_seconds_total{{{JOB}}}[10m]))',
+                  query(f'train_job_phase:syncwatch_phase:ratio5m{{{JOB}, phase="checkpoint"}}',
                         "checkpointing"),
                   unit="percentunit")
             .min(0).legend(legend_table("mean", "lastNotNull")))

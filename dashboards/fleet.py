@@ -24,7 +24,7 @@ COLUMNS = (
     ("world size", "short", "max by (train_job) (syncwatch_job_world_size)"),
     ("restarts", "short", "max by (train_job) (syncwatch_job_restarts_total)"),
     ("since last step", "s", "time() - max by (train_job) (syncwatch_last_step_timestamp_seconds)"),
-    ("alerts", "short", "count by (train_job) (ALERTS)"),
+    ("alerts", "short", 'count by (train_job) (ALERTS{train_job!=""})'),
 )
 
 

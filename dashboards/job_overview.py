@@ -24,8 +24,9 @@ def build() -> db.Dashboard:
     samples = f'syncwatch_samples_total{{{JOB}}}[{RATE}]'
     per_gpu = (f'sum by (train_job) (rate({samples}))'
                f' / count by (train_job) (rate({samples}))')
-    per_gpu_first = (f'sum by (train_job) (rate({samples} @ start()))'
-                     f' / count by (train_job) (rate({samples} @ start()))')
+    # The window just after the range start: `@ start()` pins it, a negative offset moves it forward.
+    first = f'syncwatch_samples_total{{{JOB}}}[{RATE}] @ start() offset -{RATE}'
+    per_gpu_first = f'sum by (train_job) (rate({first})) / count by (train_job) (rate({first}))'
     world = f'max by (train_job) (syncwatch_job_world_size{{{JOB}}})'
     step_hist = f'sum by (le) (rate(syncwatch_step_duration_seconds_bucket{{{JOB}}}[{RATE}]))'
 
@@ -101,11 +102,11 @@ def build() -> db.Dashboard:
         .with_panel(
             panel(timeseries.Panel(), "Throughput against ideal linear scaling",
                   "Samples per second of the whole job, and the ideal: world size times the per-GPU "
-                  "throughput first measured in the shown time range (the best per-GPU throughput of "
-                  "the range when the job started later). The gap between the lines is throughput "
-                  "lost to coupling, stragglers and scale.",
+                  "throughput first measured in the shown time range (its first rate interval; the "
+                  "best per-GPU throughput of the range when the job had not started by then). The "
+                  "gap between the lines is throughput lost to coupling, stragglers and scale.",
                   query(f'sum by (train_job) (rate({samples}))', "measured"),
-                  query(f'{world} * on (train_job) ({per_gpu_first})'
+                  query(f'{world} * on (train_job) (({per_gpu_first}) > 0)'
                         f' or {world} * on (train_job) max_over_time(({per_gpu})[$__range:])',
                         "ideal linear scaling"),
                   unit="short")

@@ -7,10 +7,12 @@ text, bar charts as stacked bars, state timelines as bands. Only for the picture
 
 from __future__ import annotations
 
+import io
 import re
 from typing import Callable
 
 import matplotlib
+from PIL import Image
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -45,11 +47,18 @@ def fmt_value(v: float, unit: str | None) -> str:
             for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k"), (1, "")):
                 if abs(v) >= scale or scale == 1:
                     return f"{v / scale:.3g} {prefix}{suffix}"
-    return f"{v:.3g}"
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
 
 
-def _unit(panel: dict) -> str | None:
-    return (panel.get("fieldConfig") or {}).get("defaults", {}).get("unit")
+def _unit(panel: dict, name: str | None = None) -> str | None:
+    """The panel's unit, or the unit a by-name override gives the field ``name``."""
+    config = panel.get("fieldConfig") or {}
+    for o in config.get("overrides") or []:
+        if o["matcher"].get("id") == "byName" and o["matcher"].get("options") == name:
+            for prop in o["properties"]:
+                if prop["id"] == "unit":
+                    return prop["value"]
+    return config.get("defaults", {}).get("unit")
 
 
 def _results(panel: dict, queries: list[PanelQuery], fetch: Fetch) -> list[tuple[PanelQuery, dict]]:
@@ -76,11 +85,11 @@ def _draw_timeseries(ax, panel, rows, t0):
 
 def _draw_stat(ax, panel, rows, t0):
     ax.axis("off")
-    unit = _unit(panel)
     n = max(len(rows), 1)
     for i, (q, s) in enumerate(rows[:4]):
         v = float((s.get("value") or s["values"][-1])[1])
         y = 1 - (i + 0.5) / min(n, 4)
+        unit = _unit(panel, legend(q.legend, s["metric"]))
         ax.text(0.5, y, fmt_value(v, unit), ha="center", va="center", fontsize=17 if n == 1 else 12,
                 color=COLORS[0], weight="bold", transform=ax.transAxes)
         if n > 1:
@@ -111,20 +120,42 @@ def _draw_heatmap(ax, panel, rows, t0):
     cb.ax.tick_params(labelsize=6, colors=DIM)
 
 
+_FIRST_COLUMNS = ("train_job", "rank", "node", "gpu", "xid", "type", "phase", "alertname", "alertstate")
+
+
+def _table_lines(panel, rows) -> tuple[list[str], list[list[str]]]:
+    """Header and cell text: one row per series, or, with Grafana's ``merge`` transformation, one
+    row per label set with a column per query (named by the ``organize`` renames), sorted like
+    the panel's ``sortBy``."""
+    transforms = {t["id"]: t.get("options") or {} for t in panel.get("transformations") or []}
+    labels = sorted({k for _, s in rows for k in s["metric"] if k not in ("__name__", "instance", "job")})
+    keys = [k for k in _FIRST_COLUMNS if k in labels] + [k for k in labels if k not in _FIRST_COLUMNS]
+    if "merge" in transforms:
+        rename = transforms.get("organize", {}).get("renameByName", {})
+        columns = [rename.get(f"Value #{t['refId']}", t["refId"]) for t in panel["targets"]]
+        ref_column = {t["refId"]: c for t, c in zip(panel["targets"], columns)}
+        merged: dict[tuple, dict] = {}
+        for q, s in rows:
+            key = tuple(s["metric"].get(k, "") for k in keys)
+            merged.setdefault(key, {})[ref_column[q.ref_id]] = float(s["value"][1])
+        sort = (panel.get("options") or {}).get("sortBy") or [{"displayName": columns[0], "desc": True}]
+        by = sort[0]["displayName"]
+        order = sorted(merged, key=lambda k: merged[k].get(by, float("-inf")), reverse=sort[0].get("desc", False))
+        lines = [list(k) + [fmt_value(merged[k][c], _unit(panel, c)) if c in merged[k] else ""
+                            for c in columns] for k in order]
+        return keys + columns, lines
+    rows = sorted(rows, key=lambda r: -float(r[1]["value"][1]))
+    keys = keys[:5]
+    return keys + ["value"], [[str(s["metric"].get(k, "")) for k in keys]
+                              + [fmt_value(float(s["value"][1]), _unit(panel))] for _, s in rows]
+
+
 def _draw_table(ax, panel, rows, t0):
     ax.axis("off")
-    unit = _unit(panel)
-    rows = sorted(rows, key=lambda r: -float(r[1]["value"][1]) if "value" in r[1] else 0)
-    keys = sorted({k for _, s in rows for k in s["metric"] if k not in ("__name__", "instance", "job")})
-    keys = [k for k in ("train_job", "rank", "node", "gpu", "phase", "alertname", "alertstate") if k in keys] + \
-           [k for k in keys if k not in ("train_job", "rank", "node", "gpu", "phase", "alertname", "alertstate")]
-    keys = keys[:5]
-    header = keys + ["value"]
-    lines = [[str(s["metric"].get(k, "")) for k in keys] + [fmt_value(float(s["value"][1]), unit)]
-             for _, s in rows[:9]]
+    header, lines = _table_lines(panel, rows)
     if not lines:
         return
-    tbl = ax.table(cellText=lines, colLabels=header, loc="upper center", cellLoc="left")
+    tbl = ax.table(cellText=lines[:9], colLabels=header, loc="upper center", cellLoc="left")
     tbl.auto_set_font_size(False)
     tbl.set_fontsize(6.5)
     for cell in tbl.get_celld().values():
@@ -151,11 +182,12 @@ def _draw_barchart(ax, panel, rows, t0):
     ax.set_xticks(range(len(ranks)), ranks, fontsize=6)
     ax.set_xlabel("rank", color=DIM, fontsize=7)
     ax.set_ylabel("% of time", color=DIM, fontsize=7)
-    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, labelcolor=FG)
+    ax.set_xlim(-0.6, len(ranks) + 1.2)   # room on the right for the legend
+    ax.legend(fontsize=6, loc="center right", frameon=False, labelcolor=FG)
 
 
 def _draw_state_timeline(ax, panel, rows, t0):
-    rows = rows[:12]
+    rows = sorted(rows, key=lambda r: -max(float(v) for _, v in r[1]["values"]))[:10]
     for i, (q, s) in enumerate(rows):
         for (t, v), nxt in zip(s["values"], s["values"][1:] + [s["values"][-1]]):
             x0, x1 = (float(t) - t0) / 60, (float(nxt[0]) - t0) / 60
@@ -208,5 +240,8 @@ def render(dashboard: dict, fetch: Fetch, path, *, t0: float, dpi: int = 56) -> 
             ax.text(0.5, 0.5, "No data", ha="center", va="center", color=DIM, transform=ax.transAxes)
             continue
         DRAW[p["type"]](ax, p, rows, t0)
-    fig.savefig(path, dpi=dpi, facecolor=BG)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=dpi, facecolor=BG, format="png")
     plt.close(fig)
+    # A 256-colour palette keeps each picture well under 200 KB; the flat colours lose nothing.
+    Image.open(buffer).convert("RGB").quantize(256).save(path, optimize=True)

@@ -195,7 +195,6 @@ class Sandbox:
                                          rule_files=rule_files, workdir=str(self.workdir / "prometheus"))
             (self.workdir / "prometheus").mkdir(exist_ok=True)
             self.prometheus.start()
-            self.started_at = time.time()
             for i, job in enumerate(self.jobs):
                 sim = ScenarioThread(job.scenario, targets[job.train_job], job.nodes, job.ranks_per_node,
                                      seed=self.seed + i, job=job.train_job, time_scale=self.step_scale,
@@ -203,6 +202,7 @@ class Sandbox:
                                      node_prefix=f"{job.train_job}-node", exchange_every=20)
                 sim.start()
                 self.sims.append(sim)
+            self.started_at = time.time()
             return self
         except BaseException:
             self.stop()
@@ -243,13 +243,15 @@ class Snapshot:
     sends them (variables and ``$__rate_interval`` / ``$__range`` substituted by
     ``queries.substitute``), range queries at ``step`` resolution, instant queries at ``end``."""
 
-    def __init__(self, box: Sandbox, start: float, end: float, step: float = 1.0):
+    def __init__(self, box: Sandbox, start: float, end: float, step: float = 1.0,
+                 rate_interval: float | None = None):
         self.box, self.start, self.end, self.step = box, float(int(start)), float(int(end)), step
+        self.rate_interval = rate_interval or box.rate_interval
         self.dashboards = queries.load_all()
 
     def expr(self, q: queries.PanelQuery, selected: dict) -> str:
         return queries.substitute(q.expr, self.dashboards[q.dashboard], selected,
-                                  rate_interval=self.box.rate_interval,
+                                  rate_interval=self.rate_interval,
                                   range_seconds=self.end - self.start)
 
     def run(self, q: queries.PanelQuery, selected: dict) -> list[dict]:
