@@ -23,7 +23,9 @@ def test_datasource_is_the_default_prometheus_the_dashboards_select():
     # the default one: this datasource.
     assert ds["type"] == "prometheus" and ds["isDefault"] is True
     assert ds["access"] == "proxy" and ds["url"].startswith("http://")
-    assert ds["jsonData"]["timeInterval"].endswith("s")
+    # Grafana derives $__rate_interval (4 x this) from it: it must be the shipped scrape interval.
+    prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    assert ds["jsonData"]["timeInterval"] == prometheus["global"]["scrape_interval"]
 
 
 def test_dashboard_provider_reads_a_directory_of_files_and_keeps_ui_edits_out():
