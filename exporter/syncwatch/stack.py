@@ -1,12 +1,12 @@
 """Run real Prometheus and Alertmanager as subprocesses on loopback (tests, demo, local use).
 
     with Prometheus(targets=["127.0.0.1:9477"], rule_files=[...]) as prom:
-        prom.wait_for(lambda: prom.query("up") != [])
+        wait_until(lambda: prom.query("up"), 30, what="a first scrape")
 
 Each server gets a generated config, a private temporary directory for its storage, and a free
 loopback port (Prometheus and Alertmanager cannot report a port-0 bind, so a free port is picked
 first and the start retried if another process takes it meanwhile). ``stop()`` terminates the
-process and removes the directory. Queries go through the HTTP API with urllib.
+process and removes the directory. Queries go through the HTTP API with ``syncwatch.promapi``.
 
 ``syncwatch stack up`` runs both next to the demo or a real daemon until Ctrl-C.
 """
@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Sequence
 
 import yaml
 
+from . import promapi
 from .cli import add_flag
 
 REPO = Path(__file__).resolve().parents[2]
@@ -195,19 +196,17 @@ class Prometheus(_Server):
                 f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle",
                 f"--rules.alert.resend-delay={self.resend_delay}", "--log.level=warn"]
 
-    # --- HTTP API
+    # --- HTTP API, through syncwatch.promapi
+    @property
+    def client(self) -> promapi.Client:
+        return promapi.Client(self.url, timeout=10)
+
     def api(self, path: str, **params) -> object:
-        url = f"{self.url}/api/v1/{path}"
-        if params:
-            url += "?" + urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+        """The ``data`` of ``/api/v1/<path>``; every failure is a ``StackError`` saying why."""
         try:
-            body = json.loads(http_get(url, timeout=10))
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")
-            raise StackError(f"GET {url}: HTTP {e.code}: {detail}") from None
-        if body.get("status") != "success":
-            raise StackError(f"GET {url}: {body.get('error', body)}")
-        return body["data"]
+            return self.client.api(path, **params)
+        except promapi.PrometheusError as e:
+            raise StackError(str(e)) from None
 
     def query(self, expr: str, time: float | None = None) -> list[dict]:
         """Instant query: a list of ``{"metric": {...}, "value": [ts, "v"]}``."""
@@ -232,9 +231,12 @@ class Prometheus(_Server):
         return bool(active) and all(t["health"] == "up" for t in active)
 
     def reload(self) -> None:
+        """Rewrite the configuration and have the running server load it."""
         self._write_config()
-        req = urllib.request.Request(self.url + "/-/reload", method="POST")
-        urllib.request.urlopen(req, timeout=10).close()
+        try:
+            self.client.request("/-/reload", form={})
+        except promapi.PrometheusError as e:
+            raise StackError(str(e)) from None
 
 
 class Alertmanager(_Server):
