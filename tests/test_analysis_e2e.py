@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
 import time
-import urllib.request
 
 import pytest
 
 from analysis_helpers import run_cli
+from syncwatch.stack import Prometheus, wait_until
 
-PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="needs the Debian package prometheus")
+pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
+                                reason="prometheus missing (Debian package: prometheus)")
 daemon_app = pytest.importorskip("syncwatch.daemon.app", reason="the daemon (syncwatch.daemon) is not in this checkout")
 daemon_config = pytest.importorskip("syncwatch.daemon.config")
 scenarios = pytest.importorskip("syncwatch.sim.scenarios", reason="the simulator (syncwatch.sim) is not in this checkout")
@@ -35,47 +33,16 @@ EXPECTED = {"healthy": set(), "straggler": {"straggler_persistent"}, "oscillatio
             "restarts": {"checkpoint_restart"}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prometheus exited with {proc.returncode}: {proc.stderr.read()[-2000:]!r}")
-        try:
-            with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("prometheus not ready")
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     """Run every scenario through real daemons into one real Prometheus; yield (url, {name: (start, end)})."""
-    d = tmp_path_factory.mktemp("e2e")
     daemons = [daemon_app.DaemonThread(daemon_config.DaemonConfig(
         listen="127.0.0.1:0", socket=None, udp="127.0.0.1:0", node=f"sim-node-{n:02d}")) for n in range(NODES)]
     running = [x.start() for x in daemons]
-    port = free_port()
-    cfg = d / "prometheus.yml"
-    cfg.write_text(
-        f"global:\n  scrape_interval: {int(SCRAPE * 1000)}ms\n  scrape_timeout: {int(SCRAPE * 1000)}ms\n"
-        "scrape_configs:\n  - job_name: syncwatch\n    static_configs:\n"
-        f"      - targets: [{', '.join(repr(r.url.split('//')[1]) for r in running)}]\n")
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={d / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    prom = Prometheus([r.url.split("//", 1)[1] for r in running], scrape_interval=f"{int(SCRAPE * 1000)}ms")
     try:
-        wait_ready(url, proc)
-        time.sleep(2 * SCRAPE)
+        prom.start()
+        wait_until(prom.targets_up, 20, what="a first scrape of every daemon")
         targets = [{"udp": r.udp_address} for r in running]
         threads, ranges = {}, {}
         for name in EXPECTED:
@@ -90,10 +57,9 @@ def cluster(tmp_path_factory):
             assert not t.is_alive() and t.error is None, (name, t.error)
             ranges[name][1] = time.time()
         time.sleep(3 * SCRAPE)  # the last records reach a scrape
-        yield url, {k: (s, e + 2 * SCRAPE) for k, (s, e) in ranges.items()}
+        yield prom.url, {k: (s, e + 2 * SCRAPE) for k, (s, e) in ranges.items()}
     finally:
-        proc.terminate()
-        proc.wait(10)
+        prom.stop()
         for x in daemons:
             x.stop()
 
