@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from analysis_helpers import run_cli
+from analysis_helpers import SCENARIO_MODES, run_cli
 from syncwatch.stack import Prometheus, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
@@ -28,9 +28,6 @@ scenarios = pytest.importorskip("syncwatch.sim.scenarios", reason="the simulator
 NODES, RANKS_PER_NODE = 4, 4
 TIME_SCALE = 0.025
 SCRAPE = 0.5
-EXPECTED = {"healthy": set(), "straggler": {"straggler_persistent"}, "oscillation": {"oscillation"},
-            "congestion": {"fabric_contention"}, "thermal": {"thermal_coupling"},
-            "restarts": {"checkpoint_restart"}}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +42,7 @@ def cluster():
         wait_until(prom.targets_up, 20, what="a first scrape of every daemon")
         targets = [{"udp": r.udp_address} for r in running]
         threads, ranges = {}, {}
-        for name in EXPECTED:
+        for name in SCENARIO_MODES:
             t = scenarios.ScenarioThread(name, targets, NODES, RANKS_PER_NODE,
                                          steps=scenarios.DEFAULT_STEPS[name], job=f"e2e-{name}",
                                          fast=False, time_scale=TIME_SCALE, seed=1, exchange_every=10)
@@ -64,7 +61,7 @@ def cluster():
             x.stop()
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("name", sorted(SCENARIO_MODES))
 def test_scenario_diagnosed_through_prometheus(cluster, name, monkeypatch, capsys):
     url, ranges = cluster
     start, end = ranges[name]
@@ -73,7 +70,7 @@ def test_scenario_diagnosed_through_prometheus(cluster, name, monkeypatch, capsy
         "--end", f"{end:.3f}", "--window", "1.5", "--json"])
     assert code == 0, err
     d = json.loads(out)
-    assert {f["mode"] for f in d["findings"]} == EXPECTED[name], json.dumps(d["findings"], indent=1)[:3000]
+    assert {f["mode"] for f in d["findings"]} == SCENARIO_MODES[name], json.dumps(d["findings"], indent=1)[:3000]
     assert d["ranks"] == NODES * RANKS_PER_NODE, d["scores"]
     if name == "healthy":
         assert d["verdict"] == "no structural problem found"
