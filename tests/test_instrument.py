@@ -429,3 +429,117 @@ def test_ddp_hook_wrapper_times_buckets_and_passes_through_when_detached(rx):
     finally:
         _state.monitor = None
         m.shutdown()
+
+
+# --------------------------------------------------------------------------- DDP, one gloo rank
+
+@pytest.fixture
+def ddp_world1():
+    """A real one-rank gloo process group in this process (DDP needs one)."""
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield torch
+    dist.destroy_process_group()
+
+
+def make_ddp(torch, frozen_first=False):
+    from torch import nn
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])  # 12 parameters
+    if frozen_first:
+        model[0].weight.requires_grad_(False)
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def train_step(m, ddp, torch, x):
+    with m.phase("forward"):
+        loss = ddp(x).sum()
+    with m.phase("backward"):
+        loss.backward()
+    m.step(1)
+
+
+def late_allreduce_hook(state, bucket):
+    """A comm hook whose collective completes 50 ms after it is launched."""
+    import threading
+    import torch
+    fut = torch.futures.Future()
+    threading.Timer(0.05, fut.set_result, (bucket.buffer(),)).start()
+    return fut
+
+
+def test_default_ddp_path_registers_no_comm_hook_and_waits_for_the_collectives(rx, ddp_world1):
+    torch = ddp_world1
+    import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
+    m = make_monitor(rx)
+    _state.monitor = m
+    try:
+        ddp = make_ddp(torch, frozen_first=True)
+        sw.register(ddp, collectives=False)
+        assert ddp._comm_hooks == [] and ddp._get_ddp_logging_data().get("comm_hook") is None
+        params = list(ddp.parameters())
+        hooked = [bool(p._post_accumulate_grad_hooks) for p in params]
+        assert hooked == [False] + [True] * 8 + [False] * 3  # first 8 that require grad
+        x = torch.randn(4, 8)
+        train_step(m, ddp, torch, x)
+        with ddp.no_sync():                    # gradient accumulation: nothing is synchronized
+            train_step(m, ddp, torch, x)
+        sw.register(ddp, collectives=False)    # already watched: not measured twice
+        # the script's own comm hook, whose all-reduce ends 50 ms after the gradients are ready:
+        # the wait ends when DDP has waited for it, not when backward's compute ended
+        ddp.register_comm_hook(None, late_allreduce_hook)
+        train_step(m, ddp, torch, x)
+        r1, r2, r3 = steps(rx, 3)
+        assert 0 < r1.wait_seconds < 0.05 and r1.collective_sequence == 1
+        assert r1.wait_seconds == phase(r1, "sync")
+        assert r2.wait_seconds == 0 and phase(r2, "sync") == 0 and r2.collective_sequence == 1
+        assert 0.05 <= r3.wait_seconds < 0.2 and r3.collective_sequence == 2
+        assert phase(r3, "backward") < 0.05   # the wait is not backward compute
+        assert r3.totals.internal_errors == 0
+    finally:
+        _state.monitor = None
+        m.shutdown()
+
+
+def test_removed_handle_detaches_the_gradient_hooks(rx, ddp_world1):
+    torch = ddp_world1
+    import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
+    m = make_monitor(rx)
+    _state.monitor = m
+    try:
+        ddp = make_ddp(torch)
+        handle = sw.register(ddp, collectives=False)
+        x = torch.randn(4, 8)
+        train_step(m, ddp, torch, x)
+        handle.remove()
+        assert not any(p._post_accumulate_grad_hooks for p in ddp.parameters())
+        train_step(m, ddp, torch, x)
+        r1, r2 = steps(rx, 2)
+        assert r1.wait_seconds > 0 and r1.collective_sequence == 1
+        assert r2.wait_seconds == 0 and phase(r2, "sync") == 0 and r2.collective_sequence == 1
+        again = sw.register(ddp, collectives=False)  # a removed watch can be registered again
+        train_step(m, ddp, torch, x)
+        assert steps(rx, 3)[2].collective_sequence == 2
+        again.remove()
+    finally:
+        _state.monitor = None
+        m.shutdown()
+
+
+def test_register_refuses_a_model_that_is_not_ddp(rx, caplog):
+    torch = pytest.importorskip("torch")
+    import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
+    m = make_monitor(rx)
+    _state.monitor = m
+    try:
+        model = torch.nn.Linear(2, 2)
+        sw.register(model, collectives=False)
+        assert not model.weight._post_accumulate_grad_hooks
+        assert m.errors == 1 and "could not register" in caplog.text
+    finally:
+        _state.monitor = None
+        m.shutdown()

@@ -5,7 +5,7 @@
     dist.init_process_group("gloo")           # or nccl
     model = DDP(model)
     sw.init()                                 # identity from torch.distributed + launcher env
-    handle = sw.register(model)               # DDP wait hook + collective wrappers
+    handle = sw.register(model)               # DDP gradient wait + collective wrappers
     for batch in loader:
         with sw.phase("data"): ...
         with sw.phase("forward"): ...
@@ -194,9 +194,11 @@ def _at_exit() -> None:
 
 
 def register(model=None, *, hook=None, state=None, collectives: bool = True) -> Handle:
-    """Measure the gradient wait of a DDP ``model`` (wrapping ``hook``, default all-reduce) and,
-    with ``collectives``, wrap the torch.distributed collectives. Never raises: what could not be
-    attached is logged and counted."""
+    """Measure the gradient wait of a DDP ``model`` and, with ``collectives``, wrap the
+    torch.distributed collectives. Without ``hook``, DDP keeps its built-in all-reduce (or any
+    comm hook the script registers) and nothing runs per bucket; with ``hook``, it is registered
+    as the model's comm hook (with ``state``) through ``ddp_hook_wrapper``. Never raises: what
+    could not be attached is logged and counted."""
     from . import hooks
     handle = Handle()
     try:

@@ -6,8 +6,8 @@ waits for the program to import ``torch.nn.parallel.distributed`` and then patch
 initialized (all ranks build it, so the side group of the skew exchange can be created there):
 
 * ``syncwatch.instrument.init()`` runs (identity from the launcher's environment);
-* the gradient wait is measured by the DDP hook wrapper, registered at the first forward unless
-  the script registered its own hook (``register_comm_hook`` is patched to wrap that one);
+* the gradient wait is measured hook-free (``hooks.watch_gradients``): DDP keeps its built-in
+  all-reduce, or whatever comm hook the script registers (Python or built-in C++);
 * the torch.distributed collectives are wrapped (sequence numbers, waits outside DDP);
 * phases come from hooks: ``forward`` = the DDP module's forward, ``optimizer`` = the optimizer's
   ``step()``, ``backward`` = from the end of forward to the optimizer step (loss, backward,
@@ -72,7 +72,6 @@ def _patch_ddp_module(module) -> None:
     if getattr(ddp_cls, "_syncwatch_patched", False):
         return
     orig_init = ddp_cls.__init__
-    orig_register = ddp_cls.register_comm_hook
 
     def __init__(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
@@ -81,15 +80,7 @@ def _patch_ddp_module(module) -> None:
         except Exception:
             log.warning("syncwatch: could not instrument this DDP model", exc_info=True)
 
-    def register_comm_hook(self, state, hook):
-        if getattr(self, "_syncwatch_auto", False) and not getattr(hook, "_syncwatch_wrapper", False):
-            from .hooks import ddp_hook_wrapper
-            hook = ddp_hook_wrapper(hook)
-            self._syncwatch_hooked = True
-        return orig_register(self, state, hook)
-
     ddp_cls.__init__ = __init__
-    ddp_cls.register_comm_hook = register_comm_hook
     ddp_cls._syncwatch_patched = True
 
 
@@ -156,7 +147,6 @@ def _attach(ddp) -> None:
     monitor = sw.init()
     if monitor is None:
         return
-    ddp._syncwatch_auto = True
     if _steps is None or _steps.m is not monitor:
         _steps = _Steps(monitor)
         sw.register(collectives=True)
@@ -164,12 +154,4 @@ def _attach(ddp) -> None:
         register_optimizer_step_post_hook(_steps.optimizer_post)
     ddp.register_forward_pre_hook(_steps.forward_pre)
     ddp.register_forward_hook(_steps.forward_post)
-
-    def first_forward(module, args):
-        handle.remove()
-        if not module._comm_hooks and not getattr(module, "_syncwatch_hooked", False):
-            try:
-                sw.register(module, collectives=False)
-            except Exception:
-                monitor._error()
-    handle = ddp.register_forward_pre_hook(first_forward)
+    sw.register(ddp, collectives=False)

@@ -1,10 +1,21 @@
-"""DDP communication-hook wrapper and ``torch.distributed`` collective wrappers.
+"""How the gradient wait of a DDP model is measured, and the ``torch.distributed`` wrappers.
 
-The DDP wrapper composes like torch's ``fp16_compress_wrapper``: it wraps any hook (default
-``mean_allreduce_hook``: exactly DDP's built-in arithmetic, multiply by 1/world then sum) and adds
-two timestamps per bucket, one at hook entry (the bucket's gradients are ready) and one in a
-``.then`` callback (its collective is done). The last bucket's difference is the step's gradient
-wait: the time from the end of backward compute until the gradients are synchronized.
+Default, hook-free (``watch_gradients``): DDP keeps its built-in C++ all-reduce. A
+post-accumulate-grad hook on the model's first few parameters (they get their gradients near the
+end of backward) queues a callback on the autograd engine once per backward. Final callbacks run
+in FIFO order after backward's last node: this first callback marks "gradients ready" (all of
+the backward's compute is done) and queues a second one. DDP queues its ``finalize_backward``
+(which waits for every bucket's all-reduce) when its last bucket becomes ready, after our first
+callback was queued and before the second one is: so the second callback runs once the
+collectives are done, and marks "gradients synchronized". On CUDA both marks are events on the
+current stream, which autograd syncs with the gradients' streams before final callbacks and DDP's
+finalize makes wait on the all-reduce work.
+
+With a user's comm hook (``ddp_hook_wrapper``), composing like torch's ``fp16_compress_wrapper``:
+each bucket is marked at hook entry (its gradients are ready) and in a ``.then`` callback (its
+collective is done); the last bucket's difference is the wait. Any Python comm hook costs an
+extra pass over each bucket (DDP's built-in fuses the 1/world scaling into its copy) and Python
+on the autograd and communication threads, which the hook-free path avoids.
 
 The collective wrappers replace ``all_reduce``, ``reduce_scatter``, ``reduce_scatter_tensor``,
 ``all_gather``, ``all_gather_into_tensor``, ``broadcast`` and ``barrier`` in ``torch.distributed``
@@ -22,12 +33,15 @@ from . import _state
 # collective -> position of its ``async_op`` parameter
 COLLECTIVES = {"all_reduce": 3, "reduce_scatter": 4, "reduce_scatter_tensor": 4, "all_gather": 3,
                "all_gather_into_tensor": 3, "broadcast": 3, "barrier": 1}
+WATCHED_PARAMETERS = 8  # hooked so that at least one of them gets a gradient in every backward
+BUCKET_COUNT_READS = 3  # DDP rebuilds its buckets once, after its first iteration
 
 
 class Handle:
     """What a registration attached; ``remove()`` detaches all of it (idempotent).
 
-    DDP cannot unregister a comm hook, so a removed DDP wrapper stays in place as a pure
+    The hook-free path's hooks and the collective wrappers are truly removed. DDP cannot
+    unregister a comm hook, so a removed ``ddp_hook_wrapper`` stays in place as a pure
     pass-through to the hook it wraps."""
 
     def __init__(self):
@@ -51,57 +65,99 @@ class Handle:
         return False
 
 
-def mean_allreduce_hook(process_group, bucket):
-    """DDP's built-in all-reduce as a hook, with its exact arithmetic.
+def watch_gradients(model) -> Handle:
+    """Measure the gradient wait of a ``DistributedDataParallel`` model without a comm hook.
 
-    The built-in multiplies each gradient by ``1/world`` while copying it into the bucket, then
-    sums. torch's Python ``allreduce_hook`` *divides* by the world size, which differs in the last
-    bit when the world size is not a power of two; this hook multiplies, so results stay equal.
-    Any comm hook costs one extra pass over the bucket (the built-in fuses it into the copy)."""
-    import torch.distributed as dist
-    group = process_group if process_group is not None else dist.group.WORLD
-    tensor = bucket.buffer()
-    tensor.mul_(1.0 / dist.get_world_size(group))
-    return original("all_reduce")(tensor, group=group, async_op=True).get_future()
+    Hooks the first ``WATCHED_PARAMETERS`` parameters that require grad; the first of them to
+    get its gradient in a backward queues the two callbacks (see the module docstring). Like
+    the wrapper, which counts each bucket's hook, a synchronized backward advances the
+    collective sequence by DDP's bucket count (its all-reduces). A backward under
+    ``model.no_sync()`` synchronizes nothing and is not measured. A model that is already
+    watched is left as it is."""
+    import torch
+    from torch.autograd import Variable
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"not a DistributedDataParallel model: {type(model).__name__}")
+    handle = Handle()
+    if getattr(model, "_syncwatch_watched", False):
+        return handle
+    queue = Variable._execution_engine.queue_callback
+    task_id = torch._C._current_graph_task_id
+    last_task = [None]
+    buckets = [1, 0]  # DDP's bucket count, times it was read
+
+    def gradients_ready():
+        m = _state.monitor
+        if m is None:
+            return
+        try:
+            queue(m.bucket_done)  # runs after DDP's finalize_backward, queued meanwhile
+        except Exception:
+            m._error()
+            return
+        if buckets[1] < BUCKET_COUNT_READS:
+            buckets[0], buckets[1] = _bucket_count(model), buckets[1] + 1
+        m.bucket_ready(buckets[0])
+
+    def gradient_accumulated(param):
+        m = _state.monitor
+        if m is None or not model.require_backward_grad_sync:
+            return
+        try:
+            task = task_id()
+            if task != last_task[0]:  # once per backward
+                last_task[0] = task
+                queue(gradients_ready)
+        except Exception:
+            m._error()
+
+    params = [p for p in model.parameters() if p.requires_grad][:WATCHED_PARAMETERS]
+    for p in params:
+        handle.add(p.register_post_accumulate_grad_hook(gradient_accumulated).remove)
+    model._syncwatch_watched = True
+    handle.add(lambda: setattr(model, "_syncwatch_watched", False))
+    return handle
 
 
-def ddp_hook_wrapper(hook=None, _enabled=None):
-    """Return a DDP comm hook that runs ``hook`` (default ``mean_allreduce_hook``) and measures
-    the gradient wait."""
-    # the default hook's future holds [tensor]; our callback unwraps it
-    first = hook is None or hook is mean_allreduce_hook
-    if hook is None:
-        hook = mean_allreduce_hook
+def _bucket_count(model) -> int:
+    """The number of all-reduces DDP launches per backward (its buckets), from its logging data."""
+    try:
+        data = model._get_ddp_logging_data()
+        sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+        return sizes.count(",") + 1
+    except Exception:
+        return 1
+
+
+def ddp_hook_wrapper(hook, _enabled=None):
+    """Return a DDP comm hook that runs ``hook`` and measures the gradient wait."""
     enabled = _enabled if _enabled is not None else [True]
 
     def syncwatch_wrapper_hook(state, bucket):
         m = _state.monitor
         if m is None or not enabled[0]:
-            fut = hook(state, bucket)
-            return fut.then(_first) if first else fut
+            return hook(state, bucket)
         m.bucket_ready()
         _state.in_ddp_hook += 1
         try:
             fut = hook(state, bucket)
         finally:
             _state.in_ddp_hook -= 1
-        return fut.then(m.bucket_done_first if first else m.bucket_done_then)
+        return fut.then(m.bucket_done_then)
 
     syncwatch_wrapper_hook._syncwatch_wrapper = True
     syncwatch_wrapper_hook.__qualname__ = f"syncwatch_wrapper_hook({getattr(hook, '__qualname__', hook)})"
     return syncwatch_wrapper_hook
 
 
-def _first(fut):
-    return fut.value()[0]
-
-
 def register_ddp(model, hook=None, state=None) -> Handle:
-    """Register ``ddp_hook_wrapper(hook)`` on a ``DistributedDataParallel`` model."""
+    """Measure ``model``'s gradient wait: hook-free, or with ``hook`` through the wrapper."""
+    if hook is None:
+        return watch_gradients(model)
     handle = Handle()
     enabled = [True]
-    if state is None and hook is None:
-        state = getattr(model, "process_group", None)  # the group DDP reduces over
     model.register_comm_hook(state, ddp_hook_wrapper(hook, enabled))
     handle.add(lambda: enabled.__setitem__(0, False))
     return handle

@@ -4,7 +4,7 @@ Torch-free on purpose (the simulator and the unit tests drive it directly); ``sy
 builds one from ``torch.distributed`` and hooks it into DDP and the collectives.
 
 Threads that touch it: the training thread (phases, steps, wrapped collectives), the autograd and
-communication threads (the DDP hook's bucket-ready and collective-done callbacks), the heartbeat
+communication threads (gradients ready and collectives done, see ``hooks``), the heartbeat
 thread (reads a few attributes) and the skew-exchange thread (appends results to a deque). They
 share only single attribute writes and ``deque``/``list`` appends, which are atomic in CPython:
 no locks on the hot path.
@@ -102,8 +102,8 @@ class Monitor:
         self._spans: list = []   # (phase index, start mark, end mark, sync index lo, hi)
         self._sync: list = []    # (start mark, end mark) of collective waits
         self._grad: tuple | None = None  # the step's gradient-sync wait (DDP), also in _sync
-        self._ddp_ready = None   # mark at entry of the latest bucket's hook
-        self._ddp_done = None    # mark in the latest bucket's collective-done callback
+        self._ddp_ready = None   # mark when the (latest bucket's) gradients were ready
+        self._ddp_done = None    # mark when the (latest bucket's) collective was done
         self._step_start = self.clock.mark()
         self._phases = {name: _Phase(self, i) for name, i in PHASE_INDEX.items()}
         self._pending: collections.deque = collections.deque()
@@ -175,10 +175,13 @@ class Monitor:
     def collective_entered(self) -> None:
         self.collective_sequence = next(self._seq)
 
-    def bucket_ready(self) -> None:
-        """DDP hook entry: this bucket's gradients are computed (autograd thread)."""
+    def bucket_ready(self, collectives: int = 1) -> None:
+        """Gradients are computed: a DDP bucket's hook entry (wrapper path, autograd thread), or
+        all of backward's (hook-free path: its first final callback), launching ``collectives``
+        all-reduces."""
         try:
-            self.collective_sequence = next(self._seq)
+            for _ in range(collectives):
+                self.collective_sequence = next(self._seq)
             self._ddp_ready = self.clock.mark()
             if not self.in_sync():
                 self.sync_since = time.perf_counter_ns()
@@ -187,7 +190,8 @@ class Monitor:
             self._error()
 
     def bucket_done(self) -> None:
-        """The bucket's collective finished (communication thread)."""
+        """The bucket's collective finished (wrapper path, communication thread), or all of them
+        (hook-free path: the final callback queued after DDP's finalize)."""
         try:
             self._ddp_done = self.clock.mark()
             self._ddp_out_n = next(self._ddp_out)
@@ -198,11 +202,6 @@ class Monitor:
         """``.then`` callback of a bucket's future: mark it done, pass its value on."""
         self.bucket_done()
         return fut.value()
-
-    def bucket_done_first(self, fut):
-        """The same for a future holding ``[tensor]`` (a raw all-reduce work's future)."""
-        self.bucket_done()
-        return fut.value()[0]
 
     def in_sync(self) -> bool:
         return self._coll_in > 0 or self._ddp_in > self._ddp_out_n
