@@ -1,5 +1,7 @@
-"""Backward time with DDP's built-in all-reduce, torch's Python ``allreduce_hook``, and
-syncwatch's hook wrapper, in the same 4 processes, round robin (isolates the comm-hook cost).
+"""Backward time with DDP's built-in all-reduce, syncwatch's default hook-free measurement (the
+built-in plus post-accumulate-grad hooks and two autograd callbacks), torch's Python
+``allreduce_hook``, and syncwatch's ``ddp_hook_wrapper`` around it, in the same 4 processes,
+round robin (isolates what measuring the gradient wait costs in backward).
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 \\
         benchmarks/instrument_hook_cost.py [steps]
@@ -21,7 +23,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import syncwatch.instrument as sw  # noqa: E402
-from syncwatch.instrument.hooks import ddp_hook_wrapper  # noqa: E402
 
 HIDDEN = 512
 
@@ -34,15 +35,17 @@ def main():
     def make():
         torch.manual_seed(0)
         return DDP(nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN)))
-    arms = {name: make() for name in ("builtin", "torch_hook", "syncwatch")}
+    arms = {name: make() for name in ("builtin", "hook_free", "torch_hook", "wrapper")}
     arms["torch_hook"].register_comm_hook(None, allreduce_hook)
     sw.init(exchange_every=0, job="hook-cost")
-    arms["syncwatch"].register_comm_hook(None, ddp_hook_wrapper())
+    sw.register(arms["hook_free"], collectives=False)
+    sw.register(arms["wrapper"], hook=allreduce_hook, collectives=False)
     x, y = torch.randn(64, HIDDEN), torch.randn(64, HIDDEN)
     wall = {k: [] for k in arms}
     cpu = {k: [] for k in arms}
-    for _ in range(steps):
-        for name, model in arms.items():
+    order = list(arms.items())
+    for i in range(steps):
+        for name, model in order[i % len(order):] + order[:i % len(order)]:  # rotated
             loss = nn.functional.mse_loss(model(x), y)
             dist.barrier()
             c0, t0 = time.process_time(), time.perf_counter()

@@ -1,17 +1,21 @@
-"""Training-thread cost of the instrumentation per step: six phases, the DDP hook, the step record.
+"""Training-thread cost of the instrumentation per step: six phases, a DDP backward, the record.
 
-    python benchmarks/instrument_hot_path.py [--steps 20000]
+    python benchmarks/instrument_hot_path.py [--steps 10000]
 
-What is timed is exactly what a training thread runs per step: six ``with phase(...)`` blocks,
-one DDP bucket through ``ddp_hook_wrapper`` (hook entry mark, inner hook, ``.then`` callback on a
-completed ``torch.futures.Future``), and ``step()`` (resolve, encode, send). The baseline is the
-same loop with the no-op API (not initialized) and the bare inner hook. The record goes to a
-Unix datagram socket read by another process (like the daemon), or to nobody (daemon absent).
+What is timed is what a training thread runs per step: six ``with phase(...)`` blocks, one
+backward through a small DDP model (one gloo rank in this process, 8 parameters: all of them
+watched, the most the hook-free path hooks) and ``step()`` (resolve, encode, send). The baseline
+is the same step with the no-op API (not initialized) and an unwatched twin of the model, the two
+alternating; medians of the per-step times are compared, so the difference is syncwatch's own work: the phases, the step record, and the hook-free gradient
+wait (8 post-accumulate-grad hook calls, one queueing, and two autograd final callbacks). The
+record goes to a Unix datagram socket read by another process (like the daemon), or to nobody
+(daemon absent). A last line times ``ddp_hook_wrapper`` around a trivial comm hook, the cost a
+script that registers its own hook adds per bucket.
 """
 
 import argparse
 import os
-import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,10 +24,13 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "exporter"))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import syncwatch.instrument as sw  # noqa: E402
 from syncwatch.instrument import _state  # noqa: E402
-from syncwatch.instrument.hooks import ddp_hook_wrapper  # noqa: E402
+from syncwatch.instrument.hooks import ddp_hook_wrapper, watch_gradients  # noqa: E402
 from syncwatch.instrument.monitor import Monitor  # noqa: E402
 from syncwatch.protocol import Identity  # noqa: E402
 from syncwatch.sender import Sender  # noqa: E402
@@ -33,35 +40,58 @@ READER = "import socket,sys\ns=socket.socket(socket.AF_UNIX,socket.SOCK_DGRAM)\n
          "print('ready',flush=True)\nwhile True: s.recv(4096)\n"
 
 
+def make_model():
+    torch.manual_seed(0)
+    return DDP(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
+
+
+def one_step(model, x) -> int:
+    t0 = time.perf_counter_ns()
+    for name in PHASES:
+        with sw.phase(name):
+            pass
+    model(x).sum().backward()
+    sw.step(32)
+    return time.perf_counter_ns() - t0
+
+
+def measure(n: int, path: str, plain, watched) -> tuple[float, float]:
+    """Median step time in us, plain and instrumented steps alternating (the machine is shared:
+    medians of interleaved steps ignore the other jobs' bursts)."""
+    x = torch.randn(2, 4)
+    ident = Identity("bench", 0, 0, 0, 4, "n1", os.getpid())
+    monitor = Monitor(ident, Sender(path), heartbeat_seconds=5.0)
+    base, inst = [], []
+    for _ in range(n):
+        _state.monitor = None
+        base.append(one_step(plain, x))
+        _state.monitor = monitor
+        inst.append(one_step(watched, x))
+    _state.monitor = None
+    assert monitor.collective_sequence == n, "the gradient wait was not measured"
+    monitor.shutdown()
+    return statistics.median(base) / 1000, statistics.median(inst) / 1000
+
+
 def inner_hook(state, bucket):
     fut = torch.futures.Future()
     fut.set_result(bucket)
     return fut
 
 
-def loop(n: int, hook, bucket) -> float:
-    phase, step = sw.phase, sw.step
-    t0 = time.perf_counter_ns()
-    for _ in range(n):
-        for name in PHASES:
-            with phase(name):
-                pass
-        hook(None, bucket).wait()
-        step(32)
-    return (time.perf_counter_ns() - t0) / n / 1000
-
-
-def measure(n: int, path: str, rounds: int = 5) -> tuple[float, float]:
+def wrapper_cost(n: int, path: str, rounds: int = 5) -> tuple[float, float]:
     bucket = torch.zeros(4)
     wrapped = ddp_hook_wrapper(inner_hook)
-    ident = Identity("bench", 0, 0, 0, 4, "n1", os.getpid())
-    monitor = Monitor(ident, Sender(path), heartbeat_seconds=5.0)
+    monitor = Monitor(Identity("bench", 0, 0, 0, 4, "n1", os.getpid()), Sender(path),
+                      heartbeat_seconds=0)
+    _state.monitor = monitor
     base, inst = [], []
-    for _ in range(rounds):  # interleaved, best of rounds: the machine is shared
-        _state.monitor = None
-        base.append(loop(n, inner_hook, bucket))
-        _state.monitor = monitor
-        inst.append(loop(n, wrapped, bucket))
+    for _ in range(rounds):
+        for hook, out in ((inner_hook, base), (wrapped, inst)):
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                hook(None, bucket).wait()
+            out.append((time.perf_counter_ns() - t0) / n / 1000)
     _state.monitor = None
     monitor.shutdown()
     return min(base), min(inst)
@@ -69,8 +99,12 @@ def measure(n: int, path: str, rounds: int = 5) -> tuple[float, float]:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=20000)
+    p.add_argument("--steps", type=int, default=10000)
     a = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    plain, watched = make_model(), make_model()
+    watch_gradients(watched)
     d = tempfile.mkdtemp(prefix="swb-")
     live = os.path.join(d, "live.sock")
     reader = subprocess.Popen([sys.executable, "-c", READER, live], stdout=subprocess.PIPE)
@@ -78,11 +112,16 @@ def main():
     try:
         for label, path in (("daemon present (reader process)", live),
                             ("daemon absent", os.path.join(d, "absent.sock"))):
-            base, inst = measure(a.steps, path)
+            base, inst = measure(a.steps, path, plain, watched)
             print(f"{label}: baseline {base:.2f} us/step, instrumented {inst:.2f} us/step, "
-                  f"cost {inst - base:.2f} us/step (6 phases + DDP hook + step record)")
+                  f"cost {inst - base:.2f} us/step (6 phases + hook-free gradient wait + step "
+                  f"record)")
+        base, inst = wrapper_cost(2 * a.steps, os.path.join(d, "absent.sock"))
+        print(f"ddp_hook_wrapper around a trivial comm hook: {base:.2f} -> {inst:.2f} us per "
+              f"bucket (+{inst - base:.2f} us)")
     finally:
         reader.kill()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
