@@ -3,8 +3,8 @@
     python benchmarks/instrument_ddp_overhead.py [--world 4] [--blocks 20] [--block-steps 10]
 
 Same processes, same run: every rank holds two identical DDP models, one plain (DDP's built-in
-all-reduce, no syncwatch calls) and one instrumented (``register`` hook, six phases, ``step``,
-exact skew exchange every K = 50 steps). Blocks of steps alternate between them, so machine
+all-reduce, no syncwatch calls) and one instrumented (``register``: the hook-free gradient wait
+and the collective wrappers, six phases, ``step``, exact skew exchange every K = 50 steps). Blocks of steps alternate between them, so machine
 load drifts cancel. Rank 0 prints the wall-time ratio, the exchange's latency (in its own thread)
 and the training thread's step time with and without an exchange in flight.
 """
@@ -134,7 +134,8 @@ def main():
     p.add_argument("--arm", choices=("full", "hook-only", "calls-only", "python-hook", "same"), default="full",
                    help="what the second model gets: syncwatch (full), torch's Python allreduce "
                         "hook only, or nothing (A/A check of the method); hook-only / calls-only "
-                        "split syncwatch into its DDP hook and its phase/step calls")
+                        "split syncwatch into its gradient-wait measurement and its phase/step "
+                        "calls")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.rank_main:

@@ -5,9 +5,11 @@
 What is timed is what a training thread runs per step: six ``with phase(...)`` blocks, one
 backward through a small DDP model (one gloo rank in this process, 8 parameters: all of them
 watched, the most the hook-free path hooks) and ``step()`` (resolve, encode, send). The baseline
-is the same step with the no-op API (not initialized) and an unwatched twin of the model, the two
-alternating; medians of the per-step times are compared, so the difference is syncwatch's own work: the phases, the step record, and the hook-free gradient
-wait (8 post-accumulate-grad hook calls, one queueing, and two autograd final callbacks). The
+is the same step with the no-op API (not initialized) and an unwatched twin of the model; a third
+step, instrumented but with the unwatched model, splits the cost into the phases and record and
+the hook-free gradient wait (8 post-accumulate-grad hook calls, one of them queueing, and two
+autograd final callbacks). The three alternate and the medians of their per-step times are
+compared (the machine is shared: medians of interleaved steps ignore other jobs' bursts). The
 record goes to a Unix datagram socket read by another process (like the daemon), or to nobody
 (daemon absent). A last line times ``ddp_hook_wrapper`` around a trivial comm hook, the cost a
 script that registers its own hook adds per bucket.
@@ -55,22 +57,23 @@ def one_step(model, x) -> int:
     return time.perf_counter_ns() - t0
 
 
-def measure(n: int, path: str, plain, watched) -> tuple[float, float]:
-    """Median step time in us, plain and instrumented steps alternating (the machine is shared:
-    medians of interleaved steps ignore the other jobs' bursts)."""
+def measure(n: int, path: str, plain, watched) -> tuple[float, float, float]:
+    """Median step times in us: baseline, instrumented with the unwatched model, fully
+    instrumented."""
     x = torch.randn(2, 4)
     ident = Identity("bench", 0, 0, 0, 4, "n1", os.getpid())
     monitor = Monitor(ident, Sender(path), heartbeat_seconds=5.0)
-    base, inst = [], []
+    base, calls, full = [], [], []
     for _ in range(n):
         _state.monitor = None
         base.append(one_step(plain, x))
         _state.monitor = monitor
-        inst.append(one_step(watched, x))
+        calls.append(one_step(plain, x))
+        full.append(one_step(watched, x))
     _state.monitor = None
     assert monitor.collective_sequence == n, "the gradient wait was not measured"
     monitor.shutdown()
-    return statistics.median(base) / 1000, statistics.median(inst) / 1000
+    return tuple(statistics.median(v) / 1000 for v in (base, calls, full))
 
 
 def inner_hook(state, bucket):
@@ -112,10 +115,10 @@ def main():
     try:
         for label, path in (("daemon present (reader process)", live),
                             ("daemon absent", os.path.join(d, "absent.sock"))):
-            base, inst = measure(a.steps, path, plain, watched)
-            print(f"{label}: baseline {base:.2f} us/step, instrumented {inst:.2f} us/step, "
-                  f"cost {inst - base:.2f} us/step (6 phases + hook-free gradient wait + step "
-                  f"record)")
+            base, calls, full = measure(a.steps, path, plain, watched)
+            print(f"{label}: baseline {base:.2f} us/step, instrumented {full:.2f} us/step: cost "
+                  f"{full - base:.2f} us/step, of which 6 phases + step record {calls - base:.2f}, "
+                  f"hook-free gradient wait {full - calls:.2f}")
         base, inst = wrapper_cost(2 * a.steps, os.path.join(d, "absent.sock"))
         print(f"ddp_hook_wrapper around a trivial comm hook: {base:.2f} -> {inst:.2f} us per "
               f"bucket (+{inst - base:.2f} us)")
