@@ -160,8 +160,8 @@ def test_prometheusrules_equal_alerts():
 
 def test_dashboard_configmaps_equal_dashboards():
     maps = load_all(K8S / "dashboards.yaml")
-    dashboards = sorted((ROOT / "dashboards").glob("*.json"))
-    assert dashboards, "dashboards/*.json missing"
+    dashboards = sorted((ROOT / "dashboards" / "json").glob("*.json"))
+    assert dashboards, "dashboards/json/*.json missing"
     assert [list(m["data"]) for m in maps] == [[p.name] for p in dashboards]
     for path, cm in zip(dashboards, maps):
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"

@@ -2,7 +2,7 @@
 
 * ``prometheusrule.yaml``: one PrometheusRule per ``alerts/*.yml`` file, ``spec.groups`` equal to
   that file's ``groups`` (the Prometheus Operator loads them into Prometheus' rule files);
-* ``dashboards.yaml``: one ConfigMap per ``dashboards/*.json``, labelled ``grafana_dashboard: "1"``
+* ``dashboards.yaml``: one ConfigMap per ``dashboards/json/*.json``, labelled ``grafana_dashboard: "1"``
   for the Grafana sidecar (kube-prometheus-stack's default label), the JSON byte for byte.
 
 Both outputs are committed; ``--check`` exits 1 when they differ from what this would write
@@ -62,7 +62,7 @@ def prometheus_rules(root: Path = ROOT) -> list[dict]:
 
 def dashboard_configmaps(root: Path = ROOT) -> list[dict]:
     objects = []
-    for path in sorted((root / "dashboards").glob("*.json")):
+    for path in sorted((root / "dashboards" / "json").glob("*.json")):
         objects.append({
             "apiVersion": "v1",
             "kind": "ConfigMap",
@@ -77,7 +77,7 @@ def render(root: Path = ROOT) -> dict[Path, str]:
     """Output file -> its content."""
     return {
         HERE / "prometheusrule.yaml": _dump(prometheus_rules(root), "alerts/*.yml"),
-        HERE / "dashboards.yaml": _dump(dashboard_configmaps(root), "dashboards/*.json"),
+        HERE / "dashboards.yaml": _dump(dashboard_configmaps(root), "dashboards/json/*.json"),
     }
 
 
