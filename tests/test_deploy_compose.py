@@ -109,7 +109,7 @@ def test_daemon_and_demo_share_the_ingest_socket():
     assert "syncwatch-ingest:/run/syncwatch" in daemon["volumes"]
     assert "syncwatch-ingest:/run/syncwatch:ro" in demo["volumes"]
     assert "--socket=/run/syncwatch/ingest.sock" in daemon["command"]
-    assert "--send-to=/run/syncwatch/ingest.sock" in demo["command"]
+    assert "--send-to=/run/syncwatch/ingest.sock" in demo["command"] and "--nodes=1" in demo["command"]
     assert demo["profiles"] == ["demo"] and demo["network_mode"] == "none"
     assert doc["volumes"]["syncwatch-ingest"]["name"] == "syncwatch-ingest"  # for other projects
     # Prometheus and Alertmanager reach the daemon on 127.0.0.1 as the native stack does.
