@@ -36,13 +36,18 @@ def records(first: int, last: int) -> list[bytes]:
 
 
 def start_daemon(sock: socket.socket, port: int) -> subprocess.Popen:
-    """The daemon with ``sock`` as fd 3, as systemd starts it. LISTEN_PID must be the daemon's
-    own pid, known only after fork: the shell sets it to its pid ($$), then execs the daemon."""
-    script = 'LISTEN_PID=$$ LISTEN_FDS=1 exec "$@" 3<&%d' % sock.fileno()
-    return subprocess.Popen(
-        ["sh", "-c", script, "sh", sys.executable, "-m", "syncwatch", "daemon",
-         f"--listen=127.0.0.1:{port}", f"--socket={sock.getsockname()}", "--log-level=warning"],
-        pass_fds=(sock.fileno(),), env=subprocess_env(), stderr=subprocess.PIPE, text=True)
+    """The daemon with ``sock`` as fd 3, as systemd starts it."""
+    return subprocess.Popen(activated(sys.executable, "-m", "syncwatch", "daemon",
+                                      f"--listen=127.0.0.1:{port}", f"--socket={sock.getsockname()}",
+                                      "--log-level=warning"),
+                            stdin=sock.fileno(), env=subprocess_env(), stderr=subprocess.PIPE, text=True)
+
+
+def activated(*command: str) -> list[str]:
+    """``command`` run the way systemd runs a socket-activated service, for a child whose stdin is
+    the socket: it moves to fd 3, and LISTEN_PID is the pid that execs ``command`` (known only
+    after fork, so the shell sets it to its own, $$, and execs)."""
+    return ["sh", "-c", 'export LISTEN_PID=$$ LISTEN_FDS=1; exec "$@" 3<&0 0</dev/null', "sh", *command]
 
 
 def sample(port: int, name: str, **labels) -> float | None:
@@ -104,12 +109,11 @@ def test_daemon_uses_the_inherited_socket_and_loses_nothing_across_a_restart(soc
 def test_an_inherited_socket_for_another_path_is_an_error(sock_path, tmp_path):
     other = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     other.bind(sock_path)
-    script = 'LISTEN_PID=$$ LISTEN_FDS=1 exec "$@" 3<&%d' % other.fileno()
     try:
         result = subprocess.run(
-            ["sh", "-c", script, "sh", sys.executable, "-m", "syncwatch", "daemon",
-             f"--listen=127.0.0.1:{free_port()}", f"--socket={tmp_path / 'ingest.sock'}"],
-            pass_fds=(other.fileno(),), env=subprocess_env(), capture_output=True, text=True, timeout=30)
+            activated(sys.executable, "-m", "syncwatch", "daemon", f"--listen=127.0.0.1:{free_port()}",
+                      f"--socket={tmp_path / 'ingest.sock'}"),
+            stdin=other.fileno(), env=subprocess_env(), capture_output=True, text=True, timeout=30)
     finally:
         other.close()
     assert result.returncode == 2
