@@ -58,13 +58,15 @@ class Sender:
             self._family = socket.AF_UNIX
             self._address = path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
         self.retry_seconds = retry_seconds
-        self.dropped = 0
-        self.sent = 0
         self._queue_max = retry_queue
         self._reset()
 
     def _reset(self) -> None:
+        """Fresh per-process state. In a forked child the counters restart at zero: the child
+        sends under its own identity, so the parent's drops must not be reported twice."""
         self._pid = os.getpid()
+        self.dropped = 0
+        self.sent = 0
         self._sock: socket.socket | None = None
         self._next_connect = 0.0
         self._backoff = _BACKOFF_MIN
@@ -124,7 +126,7 @@ class Sender:
             if self._pid != os.getpid():
                 self._reset()
             if self._closed:
-                self.dropped += 1
+                self._drop()
                 return False
             if self._pending:
                 return self._enqueue(data)
@@ -134,11 +136,16 @@ class Sender:
                 return True
             if ok is None:
                 return self._enqueue(data)
-            self.dropped += 1
+            self._drop()
             return False
         except Exception:  # never into the training loop
             self.dropped += 1
             return False
+
+    def _drop(self) -> None:
+        # The retry thread counts too; ``+=`` on an attribute is not atomic across threads.
+        with self._lock:
+            self.dropped += 1
 
     def _enqueue(self, data: bytes) -> bool:
         with self._lock:
@@ -169,7 +176,7 @@ class Sender:
                 if ok:
                     self.sent += 1
                 else:
-                    self.dropped += 1
+                    self._drop()
 
     def pending(self) -> int:
         return len(self._pending)

@@ -1,0 +1,42 @@
+"""Daemon settings. Every field maps to a ``syncwatch daemon`` flag with a SYNCWATCH_* twin."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+
+def _hostname() -> str:
+    return socket.gethostname()
+
+
+@dataclass
+class DaemonConfig:
+    listen: str = "127.0.0.1:9477"          # host:port for /metrics and /healthz; port 0 = pick a free one
+    socket: str | None = "/run/syncwatch/ingest.sock"  # Unix datagram ingest; None = off
+    udp: str | None = None                  # "127.0.0.1:9478" = also ingest UDP on loopback; None = off
+    node: str = field(default_factory=_hostname)  # this node's name (records carry their own node label)
+    window: int = 100                       # rolling window W (steps) for step CV / lag-1 autocorrelation
+    rank_ttl: float = 60.0                  # seconds without any record before a rank is removed
+    job_grace: float = 120.0                # seconds a job's series stay after its end record
+    max_ranks: int = 1024                   # records of further ranks rejected, reason rank_limit
+    max_jobs: int = 32                      # records of further jobs rejected, reason job_limit
+
+    def __post_init__(self) -> None:
+        if self.window < 3:
+            raise ValueError(f"window must be at least 3 steps, got {self.window}")
+        if self.rank_ttl <= 0 or self.job_grace < 0:
+            raise ValueError("rank_ttl must be > 0 and job_grace >= 0")
+        if self.max_ranks < 1 or self.max_jobs < 1:
+            raise ValueError("max_ranks and max_jobs must be at least 1")
+        parse_address(self.listen, "listen")
+        if self.udp:
+            parse_address(self.udp, "udp")
+
+
+def parse_address(address: str, what: str = "address") -> tuple[str, int]:
+    """``"127.0.0.1:9477"`` / ``"[::1]:9477"`` -> (host, port). An empty host means 127.0.0.1."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{what} must look like 127.0.0.1:9477, got {address!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)

@@ -1,0 +1,79 @@
+"""``syncwatch daemon``: run the node daemon until SIGTERM / SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Sequence
+
+from ..cli import add_flag
+from .app import start_daemon
+from .config import DaemonConfig
+
+log = logging.getLogger("syncwatch.daemon")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("daemon", help="run the per-node daemon (ingest + /metrics)",
+                              description="Receive rank records, keep bounded per-rank state and "
+                                          "serve /metrics and /healthz.")
+    d = DaemonConfig.__dataclass_fields__
+    add_flag(p, "--listen", default=d["listen"].default,
+             help="host:port for /metrics and /healthz (port 0 picks a free one)")
+    add_flag(p, "--socket", default=d["socket"].default,
+             help="Unix datagram ingest socket path (empty: off)")
+    add_flag(p, "--udp", default="", help="also ingest UDP on this host:port, e.g. 127.0.0.1:9478 (empty: off)")
+    add_flag(p, "--node", default=None, help="this node's name (default: the host name)")
+    add_flag(p, "--window", type=int, default=d["window"].default,
+             help="rolling window W in steps for step CV and lag-1 autocorrelation")
+    add_flag(p, "--rank-ttl", type=float, default=d["rank_ttl"].default,
+             help="seconds without any record before a rank is removed")
+    add_flag(p, "--job-grace", type=float, default=d["job_grace"].default,
+             help="seconds a job's series stay after its end record")
+    add_flag(p, "--max-ranks", type=int, default=d["max_ranks"].default,
+             help="most ranks tracked; records of further ranks are rejected (rank_limit)")
+    add_flag(p, "--max-jobs", type=int, default=d["max_jobs"].default,
+             help="most jobs tracked; records of further jobs are rejected (job_limit)")
+    add_flag(p, "--log-level", default="info", help="debug, info, warning or error")
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+    kw = dict(listen=args.listen, socket=args.socket or None, udp=args.udp or None,
+              window=args.window, rank_ttl=args.rank_ttl, job_grace=args.job_grace,
+              max_ranks=args.max_ranks, max_jobs=args.max_jobs)
+    if args.node:
+        kw["node"] = args.node
+    return DaemonConfig(**kw)
+
+
+async def serve(config: DaemonConfig, extra_collectors: Sequence = ()) -> None:
+    """Run until SIGTERM or SIGINT, then stop cleanly."""
+    daemon = await start_daemon(config, extra_collectors)
+    log.info("syncwatch daemon: metrics on %s/metrics, ingest socket %s, udp %s", daemon.url,
+             daemon.socket_path or "off", daemon.udp_address or "off")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("syncwatch daemon: stopping")
+        await daemon.stop()
+
+
+def run(args: argparse.Namespace, extra_collectors: Sequence = ()) -> int:
+    try:
+        logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        config = config_from_args(args)
+        asyncio.run(serve(config, extra_collectors))
+    except (OSError, ValueError) as e:
+        print(f"syncwatch daemon: {e}", file=sys.stderr)
+        return 2
+    return 0

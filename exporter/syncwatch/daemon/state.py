@@ -1,0 +1,378 @@
+"""Bounded in-memory state of the ranks and jobs a daemon hears from.
+
+Per record the work is a handful of plain attribute updates under one ``threading.Lock`` (the
+reader threads write, the scrape reads a snapshot). Everything costly — CV, lag-1
+autocorrelation, building metric families — happens at scrape time on a snapshot, so the reader
+never waits on a render for longer than the snapshot copy.
+
+Bounds: at most ``max_ranks`` ranks (over all jobs) and ``max_jobs`` jobs; further ranks / jobs
+are rejected with reason ``rank_limit`` / ``job_limit``. A rank silent for ``rank_ttl`` seconds is
+removed; a rank that sent its end record stays ``job_grace`` seconds; a job without ranks stays
+``job_grace`` seconds after its last record (so restarts are still counted across a short crash).
+
+Counters are the ranks' own cumulative values: the daemon exports the latest it has seen, so a
+lost datagram or a daemon restart loses nothing. Records of a step at or before the last step
+record seen from the same process are duplicates or out of order and change nothing but liveness.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ..protocol import (PHASE_INDEX, REJECT_REASONS, Cumulative, EndRecord, HeartbeatRecord,
+                        Identity, ProtocolError, Record, SkewHistogram, StepRecord)
+from .config import DaemonConfig
+
+# Histogram buckets (upper bounds, seconds) of the per-node, per-job histograms.
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+WAIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+_CHECKPOINT = PHASE_INDEX["checkpoint"]
+
+
+class Histogram:
+    """Per-bucket (non-cumulative) counts; the last slot counts values above every bound."""
+
+    __slots__ = ("bounds", "counts", "sum", "count")
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``[(le, cumulative count), ..., ("+Inf", count)]`` as prometheus_client wants it."""
+        out, running = [], 0
+        for bound, c in zip(self.bounds, self.counts):
+            running += c
+            out.append((repr(float(bound)), running))
+        out.append(("+Inf", self.count))
+        return out
+
+    def copy(self) -> "Histogram":
+        h = Histogram(self.bounds)
+        h.counts, h.sum, h.count = list(self.counts), self.sum, self.count
+        return h
+
+
+class RankState:
+    __slots__ = ("ident", "totals", "exact", "has_tokens", "step_seen", "window", "version",
+                 "stats", "last_step", "last_step_wall", "seq", "hb_wall", "hb_phase",
+                 "hb_elapsed", "dropped", "seen", "ended")
+
+    def __init__(self, ident: Identity, window: int, now: float):
+        self.ident = ident
+        self.totals: Cumulative | None = None   # latest cumulative counters (step records)
+        self.exact = False
+        self.has_tokens = False
+        self.step_seen = -1                     # step number of the last step record applied
+        self.window: deque[float] = deque(maxlen=window)
+        self.version = 0                        # bumped on every window append
+        self.stats: tuple[int, float | None, float | None] = (-1, None, None)  # version, cv, ac
+        self.last_step = -1                     # from step records and heartbeats
+        self.last_step_wall = 0.0
+        self.seq = 0
+        self.hb_wall = 0.0
+        self.hb_phase: str | None = None
+        self.hb_elapsed = 0.0
+        self.dropped = 0                        # highest dropped-records count this process reported
+        self.seen = now                         # monotonic time of the last record
+        self.ended = False
+
+
+class JobState:
+    __slots__ = ("ranks", "hists", "seen", "world_size", "r0_pid", "attempt", "skew",
+                 "restarts", "rerun_steps", "checkpoint_seconds", "checkpoints", "max_step",
+                 "prev_max_step", "restart_pending")
+
+    def __init__(self, now: float):
+        self.ranks: dict[int, RankState] = {}
+        self.hists: dict[str, tuple[Histogram, Histogram]] = {}  # node -> (step, sync wait)
+        self.seen = now
+        # Job-level, from global rank 0 only (r0_pid is None until rank 0 is heard of).
+        self.world_size = 0
+        self.r0_pid: int | None = None
+        self.attempt = 0
+        self.skew: SkewHistogram | None = None
+        self.restarts = 0
+        self.rerun_steps = 0
+        self.checkpoint_seconds = 0.0
+        self.checkpoints = 0
+        self.max_step = -1          # highest step rank 0's current process completed
+        self.prev_max_step = -1     # the previous process's highest step, after a process change
+        # None: no process change pending; "counted": a restart (higher attempt) waiting for the new
+        # attempt's first step to count re-run steps; "check": a new pid of the same attempt, a
+        # restart only if its first step goes backwards.
+        self.restart_pending: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RankView:
+    ident: Identity
+    totals: Cumulative | None
+    exact: bool
+    has_tokens: bool
+    cv: float | None
+    autocorrelation: float | None
+    last_step: int
+    last_step_wall: float
+    seq: int
+    hb_phase: str | None
+    hb_elapsed: float
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    train_job: str
+    ranks: list[RankView]
+    hists: dict[str, tuple[Histogram, Histogram]]
+    has_rank0: bool
+    world_size: int
+    attempt: int
+    skew: SkewHistogram | None
+    restarts: int
+    rerun_steps: int
+    checkpoint_seconds: float
+    checkpoints: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    jobs: list[JobView]
+    records: int
+    rejected: dict[str, int]
+    client_dropped: int
+    ranks_active: int
+
+
+def window_stats(xs) -> tuple[float | None, float | None]:
+    """(coefficient of variation, lag-1 autocorrelation) of ``xs``; None where undefined."""
+    n = len(xs)
+    if n < 2:
+        return None, None
+    mean = math.fsum(xs) / n
+    dev = [x - mean for x in xs]
+    ss = math.fsum(d * d for d in dev)
+    cv = math.sqrt(ss / n) / mean if mean > 0 else None
+    ac = None
+    if n >= 3 and ss > 0:
+        ac = math.fsum(a * b for a, b in zip(dev, dev[1:])) / ss
+    return cv, ac
+
+
+class State:
+    def __init__(self, config: DaemonConfig, clock=time.monotonic):
+        self.config = config
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.jobs: dict[str, JobState] = {}
+        self.n_ranks = 0
+        self.records = 0                                    # accepted records
+        self.rejected = dict.fromkeys(REJECT_REASONS, 0)
+        self.client_dropped = 0                             # sum of increases of ranks' dropped counts
+
+    # -- ingest side -------------------------------------------------------------------------
+
+    def reject(self, reason: str) -> None:
+        with self._lock:
+            self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    def apply(self, rec: Record) -> None:
+        """Apply one decoded record. Raises ``ProtocolError`` (rank_limit, job_limit) and counts it."""
+        ident = rec.identity
+        now = self._clock()
+        with self._lock:
+            try:
+                r, job = self._rank(ident, now)
+            except ProtocolError as e:
+                self.rejected[e.reason] += 1
+                raise
+            self.records += 1
+            if r is None:
+                return  # a record of an older attempt than the one we follow: stale
+            r.seen = job.seen = now
+            if ident.rank == 0:
+                self._rank0_identity(job, ident)
+            if type(rec) is StepRecord:
+                self._step(job, r, rec)
+            elif type(rec) is HeartbeatRecord:
+                self._heartbeat(r, rec)
+            else:
+                self._end(r, rec)
+
+    def _rank(self, ident: Identity, now: float) -> tuple[RankState | None, JobState]:
+        job = self.jobs.get(ident.train_job)
+        if job is None:
+            if len(self.jobs) >= self.config.max_jobs:
+                raise ProtocolError("job_limit", f"already {len(self.jobs)} jobs")
+            if self.n_ranks >= self.config.max_ranks:
+                raise ProtocolError("rank_limit", f"already {self.n_ranks} ranks")
+            job = self.jobs[ident.train_job] = JobState(now)
+        r = job.ranks.get(ident.rank)
+        if r is not None and r.ident is ident:  # the decoder caches identities: the common case
+            return r, job
+        if r is None:
+            if self.n_ranks >= self.config.max_ranks:
+                raise ProtocolError("rank_limit", f"already {self.n_ranks} ranks")
+            self.n_ranks += 1
+        elif ident.attempt < r.ident.attempt:
+            return None, job
+        elif ident.pid == r.ident.pid and ident.attempt == r.ident.attempt:
+            r.ident = ident  # same process, equal identity decoded anew (cache turnover)
+            return r, job
+        # A new rank, or a new process / attempt for it: fresh state (counter resets are fine).
+        r = job.ranks[ident.rank] = RankState(ident, self.config.window, now)
+        return r, job
+
+    def _rank0_identity(self, job: JobState, ident: Identity) -> None:
+        job.world_size = ident.world_size
+        if job.r0_pid is None:
+            job.r0_pid, job.attempt = ident.pid, ident.attempt
+            return
+        if ident.pid == job.r0_pid and ident.attempt == job.attempt:
+            return
+        if ident.attempt > job.attempt:
+            job.restarts += 1
+            job.restart_pending = "counted"
+        else:
+            job.restart_pending = "check"
+        if job.max_step >= 0:
+            job.prev_max_step = job.max_step
+        job.max_step = -1
+        job.r0_pid, job.attempt = ident.pid, ident.attempt
+        job.skew = None
+        job.checkpoint_seconds, job.checkpoints = 0.0, 0
+
+    def _step(self, job: JobState, r: RankState, rec: StepRecord) -> None:
+        step = rec.step
+        if step <= r.step_seen:
+            return  # duplicate or out of order: the newer record already carried these totals
+        r.step_seen = step
+        totals = r.totals = rec.totals
+        r.exact, r.has_tokens = rec.exact, rec.has_tokens
+        r.window.append(rec.step_seconds)
+        r.version += 1
+        if step > r.last_step:
+            r.last_step = step
+        if rec.wall_time > r.last_step_wall:
+            r.last_step_wall = rec.wall_time
+        if rec.collective_sequence > r.seq:
+            r.seq = rec.collective_sequence
+        self._dropped(r, totals.dropped_records)
+        node = r.ident.node
+        hists = job.hists.get(node)
+        if hists is None:
+            hists = job.hists[node] = (Histogram(STEP_BUCKETS), Histogram(WAIT_BUCKETS))
+        hists[0].observe(rec.step_seconds)
+        hists[1].observe(rec.wait_seconds)
+        if r.ident.rank == 0:
+            self._rank0_step(job, rec)
+
+    def _rank0_step(self, job: JobState, rec: StepRecord) -> None:
+        step = rec.step
+        pending = job.restart_pending
+        if pending is not None:
+            prev = job.prev_max_step
+            counted = pending == "counted"
+            if not counted and 0 <= prev and step <= prev:
+                job.restarts += 1
+                counted = True
+            if counted and prev >= 0:
+                job.rerun_steps += max(0, prev - step + 1)
+            job.restart_pending = None
+        if step > job.max_step:
+            job.max_step = step
+        if rec.skew is not None:
+            job.skew = rec.skew
+        job.checkpoint_seconds = rec.totals.phase_seconds[_CHECKPOINT]
+        job.checkpoints = rec.totals.checkpoints
+
+    def _heartbeat(self, r: RankState, rec: HeartbeatRecord) -> None:
+        if rec.wall_time >= r.hb_wall:
+            r.hb_wall, r.hb_phase, r.hb_elapsed = rec.wall_time, rec.phase, rec.phase_elapsed
+        if rec.last_step > r.last_step:
+            r.last_step = rec.last_step
+        if rec.last_step_wall_time > r.last_step_wall:
+            r.last_step_wall = rec.last_step_wall_time
+        if rec.collective_sequence > r.seq:
+            r.seq = rec.collective_sequence
+        r.ended = False
+        self._dropped(r, rec.dropped_records)
+
+    def _end(self, r: RankState, rec: EndRecord) -> None:
+        r.ended = True
+        if rec.last_step > r.last_step:
+            r.last_step = rec.last_step
+
+    def _dropped(self, r: RankState, reported: int) -> None:
+        if reported > r.dropped:
+            self.client_dropped += reported - r.dropped
+            r.dropped = reported
+
+    # -- housekeeping and scrape side --------------------------------------------------------
+
+    def expire(self) -> None:
+        """Remove ranks silent past their TTL (ended ranks: past the grace) and empty jobs."""
+        now = self._clock()
+        ttl, grace = self.config.rank_ttl, self.config.job_grace
+        with self._lock:
+            for name in list(self.jobs):
+                job = self.jobs[name]
+                dead = [k for k, r in job.ranks.items()
+                        if now - r.seen > (grace if r.ended else ttl)]
+                for k in dead:
+                    del job.ranks[k]
+                self.n_ranks -= len(dead)
+                if not job.ranks and now - job.seen > grace:
+                    del self.jobs[name]
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"ranks": self.n_ranks, "jobs": len(self.jobs), "records": self.records,
+                    "rejected": sum(self.rejected.values())}
+
+    def snapshot(self) -> Snapshot:
+        """A consistent copy for one scrape. Window statistics are computed outside the lock and
+        cached per rank until its window changes."""
+        self.expire()
+        todo: list[tuple[RankState, int, tuple[float, ...]]] = []
+        raw = []
+        with self._lock:
+            for name, job in self.jobs.items():
+                ranks = []
+                for r in job.ranks.values():
+                    if r.stats[0] != r.version:
+                        todo.append((r, r.version, tuple(r.window)))
+                    ranks.append(r)
+                rows = [(r, r.ident, r.totals, r.exact, r.has_tokens, r.last_step, r.last_step_wall,
+                         r.seq, r.hb_phase, r.hb_elapsed) for r in ranks]
+                hists = {node: (a.copy(), b.copy()) for node, (a, b) in job.hists.items()}
+                raw.append((name, rows, hists, job.r0_pid is not None, job.world_size, job.attempt,
+                            job.skew, job.restarts, job.rerun_steps, job.checkpoint_seconds,
+                            job.checkpoints))
+            records, rejected = self.records, dict(self.rejected)
+            client_dropped, n_ranks = self.client_dropped, self.n_ranks
+        for r, version, xs in todo:
+            r.stats = (version, *window_stats(xs))
+        jobs = []
+        for name, rows, hists, has0, world, attempt, skew, restarts, rerun, ck_s, ck in raw:
+            views = [RankView(ident, totals, exact, tok, r.stats[1], r.stats[2], last, wall, seq,
+                              phase, elapsed)
+                     for r, ident, totals, exact, tok, last, wall, seq, phase, elapsed in rows]
+            views.sort(key=lambda v: v.ident.rank)
+            jobs.append(JobView(name, views, hists, has0, world, attempt, skew, restarts, rerun,
+                                ck_s, ck))
+        jobs.sort(key=lambda j: j.train_job)
+        return Snapshot(jobs, records, rejected, client_dropped, n_ranks)

@@ -1,0 +1,480 @@
+"""The node daemon, end to end: real Unix / UDP sockets, real HTTP scrapes on loopback."""
+
+from __future__ import annotations
+
+import gzip
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from conftest import subprocess_env
+from daemon_helpers import (WALL0, Client, RankSim, healthz, identity, rss_of, scrape, scrape_text,
+                            series_of, value, wait_for, wait_records)
+
+from syncwatch.daemon import DaemonConfig, DaemonThread
+from syncwatch.daemon.state import STEP_BUCKETS
+from syncwatch.protocol import (IDENT_FIXED, PHASES, REJECT_REASONS, SKEW_BUCKETS, Encoder,
+                                SkewHistogram)
+from syncwatch.sender import Sender
+
+
+def config(sock_path, **kw) -> DaemonConfig:
+    return DaemonConfig(listen="127.0.0.1:0", socket=sock_path, node="test-node", **kw)
+
+
+@pytest.fixture
+def daemon(sock_path):
+    with DaemonThread(config(sock_path)) as d:
+        yield d
+
+
+@pytest.fixture
+def client(daemon):
+    c = Client(daemon.socket_path)
+    yield c
+    c.close()
+
+
+def test_exported_totals_equal_what_was_sent(daemon, client):
+    rng = random.Random(7)
+    ranks = [RankSim(identity(r, world=4), tokens=True) for r in range(4)]
+    step_sum = wait_sum = 0.0
+    for step in range(1, 31):
+        for sim in ranks:
+            st, wt = rng.uniform(0.05, 0.3), rng.uniform(0.0, 0.02)
+            step_sum, wait_sum = step_sum + st, wait_sum + wt
+            client.send(sim.step(step, st, wt, slack=wt / 2, last_arrival=rng.random() < 0.25,
+                                 samples=rng.choice((16, 32))))
+    # Out of order and duplicate records of old steps change nothing.
+    stale = RankSim(identity(1, world=4))
+    client.send(stale.step(3, 9.0), stale.step(30, 9.0))
+    wait_records(daemon.url, 122)
+    m = scrape(daemon.url)
+    for sim in ranks:
+        t, lab = sim.totals, dict(train_job="job-a", rank=sim.ident.rank)
+        assert value(m, "syncwatch_steps_total", **lab) == 30
+        assert value(m, "syncwatch_step_seconds_total", **lab) == pytest.approx(t.step_seconds, rel=1e-12)
+        for name, v in zip(PHASES, t.phase_seconds):
+            assert value(m, "syncwatch_phase_seconds_total", phase=name, **lab) == pytest.approx(v, rel=1e-12)
+        assert value(m, "syncwatch_slack_seconds_total", **lab) == pytest.approx(t.slack_seconds, rel=1e-12)
+        assert value(m, "syncwatch_last_arrivals_total", **lab) == t.last_arrivals
+        assert value(m, "syncwatch_samples_total", **lab) == t.samples
+        assert value(m, "syncwatch_tokens_total", **lab) == t.tokens
+        assert value(m, "syncwatch_last_step", **lab) == 30
+        assert value(m, "syncwatch_last_step_timestamp_seconds", **lab) == WALL0 + 30
+        assert value(m, "syncwatch_collective_sequence", **lab) == 60
+    node = dict(train_job="job-a", node="node-1")
+    assert value(m, "syncwatch_step_duration_seconds_count", **node) == 120
+    assert value(m, "syncwatch_step_duration_seconds_sum", **node) == pytest.approx(step_sum)
+    assert value(m, "syncwatch_sync_wait_seconds_count", **node) == 120
+    assert value(m, "syncwatch_sync_wait_seconds_sum", **node) == pytest.approx(wait_sum)
+    assert value(m, "syncwatch_step_duration_seconds_bucket", le=str(STEP_BUCKETS[0]), **node) == 0
+    assert value(m, "syncwatch_ingest_records_total") == 122
+    assert value(m, "syncwatch_ranks_active") == 4
+    assert value(m, "syncwatch_job_world_size", train_job="job-a") == 4
+
+
+def test_step_cv_and_autocorrelation_over_the_window(sock_path):
+    rng = random.Random(3)
+    durations = [rng.uniform(0.1, 0.2) * (1.5 if i % 2 else 1.0) for i in range(25)]
+    with DaemonThread(config(sock_path, window=10)) as d:
+        sim, c = RankSim(identity(0)), Client(d.socket_path)
+        c.send(*(sim.step(i + 1, x) for i, x in enumerate(durations)))
+        wait_records(d.url, 25)
+        m = scrape(d.url)
+    w = durations[-10:]
+    mean = sum(w) / len(w)
+    dev = [x - mean for x in w]
+    lag1 = sum(dev[i] * dev[i + 1] for i in range(9)) / sum(e * e for e in dev)
+    assert value(m, "syncwatch_step_cv", train_job="job-a", rank=0) == pytest.approx(
+        statistics.pstdev(w) / statistics.mean(w), rel=1e-9)
+    ac = value(m, "syncwatch_step_autocorrelation", train_job="job-a", rank=0)
+    assert ac == pytest.approx(lag1, rel=1e-9)
+    assert ac < -0.5  # the alternating pattern reads as oscillation
+
+
+def _valid_step() -> bytes:
+    return RankSim(identity(5)).step(1, 0.1)
+
+
+def _bad_identity() -> bytes:
+    """A well-formed record whose identity says rank 9 of a world of 4."""
+    good = _valid_step()
+    ident_len = struct.unpack_from("<H", good, 4)[0]
+    ident = IDENT_FIXED.pack(9, 1, 4, 0, -1, 77) + good[6 + IDENT_FIXED.size:6 + ident_len]
+    return good[:6] + ident + good[6 + ident_len:]
+
+
+BAD_INPUT = {
+    "too_large": [b"SW" + b"\x00" * 3000],
+    "truncated": [b"", b"S", _valid_step()[:-3]],
+    "bad_magic": [b"XX" + _valid_step()[2:], bytes(random.Random(1).randrange(256) | 1 for _ in range(64))],
+    "unknown_version": [_valid_step()[:2] + b"\x07" + _valid_step()[3:]],
+    "unknown_kind": [_valid_step()[:3] + b"\x09" + _valid_step()[4:]],
+    "unknown_fields": [_valid_step() + b"\x00"],
+    "bad_identity": [_bad_identity()],
+    "bad_value": [RankSim(identity(6)).step(1, float("nan")), RankSim(identity(7)).step(1, -1.0),
+                  RankSim(identity(8)).step(1, 5e7)],
+}
+
+
+def test_bad_input_is_rejected_by_reason_and_scrape_stays_ok(daemon, client):
+    n = sum(len(v) for v in BAD_INPUT.values())
+    for datagrams in BAD_INPUT.values():
+        client.send(*datagrams)
+    client.send(_valid_step())
+    wait_records(daemon.url, n + 1)
+    m = scrape(daemon.url)
+    for reason, datagrams in BAD_INPUT.items():
+        assert value(m, "syncwatch_ingest_rejected_total", reason=reason) == len(datagrams), reason
+    assert value(m, "syncwatch_ingest_records_total") == 1
+    assert value(m, "syncwatch_ranks_active") == 1
+    assert {dict(k[1])["reason"] for k in m if k[0] == "syncwatch_ingest_rejected_total"} == set(REJECT_REASONS)
+
+
+def test_too_large_datagram_over_udp_is_counted(sock_path):
+    with DaemonThread(config(sock_path, udp="127.0.0.1:0")) as d:
+        host, port = d.udp_address.rsplit(":", 1)
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.sendto(b"SW" + b"\x00" * 5000, (host, int(port)))
+        s.sendto(_valid_step(), (host, int(port)))
+        wait_records(d.url, 2)
+        m = scrape(d.url)
+    assert value(m, "syncwatch_ingest_rejected_total", reason="too_large") == 1
+    assert value(m, "syncwatch_ingest_records_total") == 1
+
+
+def _daemon_cmd(*flags: str) -> list[str]:
+    """Run ``syncwatch daemon`` through its own module (the CLI of this checkout)."""
+    code = ("import sys, argparse; from syncwatch.daemon import main as m; "
+            "p = argparse.ArgumentParser(); m.register(p.add_subparsers()); "
+            "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
+    return [sys.executable, "-c", code, "daemon", *flags]
+
+
+def _start_cli_daemon(sock_path, *flags):
+    proc = subprocess.Popen(_daemon_cmd("--listen", "127.0.0.1:0", "--socket", sock_path,
+                                        "--log-level", "error", *flags),
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for(lambda: os.path.exists(sock_path) or proc.poll() is not None, 30, "daemon socket")
+    import psutil
+    port = wait_for(lambda: [c.laddr.port for c in psutil.Process(proc.pid).net_connections("tcp")
+                             if c.status == "LISTEN"], 30, "daemon port")[0]
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("kind", ["ranks", "jobs"])
+def test_cardinality_bomb_is_bounded(sock_path, kind):
+    proc, url = _start_cli_daemon(sock_path, "--max-ranks", "256", "--max-jobs", "8")
+    try:
+        c = Client(sock_path)
+        c.send(RankSim(identity(0, job="warm-up")).step(1, 0.1))  # takes one rank and one job slot
+        wait_records(url, 1)
+        scrape(url)
+        rss_before = rss_of(proc.pid)
+        for i in range(10_000):
+            ident = identity(i, world=20000, pid=50_000 + i) if kind == "ranks" else \
+                identity(0, job=f"bomb-{i}", pid=50_000 + i)
+            c.send(Encoder(ident).heartbeat(WALL0, 0, 0.0, "data", 0.5, 0))
+        wait_records(url, 10_001, timeout=60)
+        m = scrape(url)
+        rss_after = rss_of(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    accepted_ranks = 256 if kind == "ranks" else 8
+    reason = "rank_limit" if kind == "ranks" else "job_limit"
+    assert value(m, "syncwatch_ingest_rejected_total", reason=reason) == 10_000 - (accepted_ranks - 1)
+    assert value(m, "syncwatch_ranks_active") == accepted_ranks
+    per_rank = [k for k in m if dict(k[1]).get("rank") is not None]
+    assert len(per_rank) <= 25 * accepted_ranks
+    assert len(m) < 25 * accepted_ranks + 200
+    # Generous: 256 small rank states and a bounded identity cache are a few MB.
+    assert rss_after - rss_before < 40 << 20, (rss_before, rss_after)
+
+
+def _full_exposition(daemon, client, ranks=4):
+    sims = [RankSim(identity(r, world=ranks), tokens=True) for r in range(ranks)]
+    skew = SkewHistogram(2, 0.003, tuple(0 if b < 0.001 else 2 for b in SKEW_BUCKETS))
+    for step in (1, 2, 3):
+        for sim in sims:
+            client.send(sim.step(step, 0.1 * step, checkpoint=step == 2,
+                                 skew=skew if sim.ident.rank == 0 else None))
+    for sim in sims:
+        client.send(sim.enc.heartbeat(WALL0 + 4, 3, WALL0 + 3, "sync", 1.5, 7))
+    wait_records(daemon.url, 4 * ranks)
+
+
+def test_promtool_check_metrics_passes_on_a_real_scrape(daemon, client):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package `prometheus`)")
+    _full_exposition(daemon, client)
+    text = scrape_text(daemon.url)
+    assert "syncwatch_barrier_skew_seconds_bucket" in text and "syncwatch_tokens_total" in text
+    r = subprocess.run([promtool, "check", "metrics"], input=text.encode(), capture_output=True)
+    assert r.returncode == 0 and not r.stdout and not r.stderr, (r.stdout, r.stderr)
+
+
+def test_openmetrics_and_gzip_negotiation(daemon, client):
+    _full_exposition(daemon, client, ranks=2)
+    req = urllib.request.Request(daemon.url + "/metrics", headers={
+        "Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5",
+        "Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(req) as r:
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        assert r.headers["Content-Encoding"] == "gzip"
+        body = gzip.decompress(r.read()).decode()
+    assert body.endswith("# EOF\n")
+    assert 'syncwatch_steps_total{rank="0",train_job="job-a"} 3' in body
+    assert scrape_text(daemon.url).startswith("# HELP")
+
+
+def test_series_per_rank_within_budget_at_64_ranks(daemon, client):
+    _full_exposition(daemon, client, ranks=64)
+    m = scrape(daemon.url)
+    for rank in range(64):
+        n = len(series_of(m, train_job="job-a", rank=rank))
+        assert n <= 25, (rank, n)
+        assert n == 20, (rank, n)  # every per-rank family of the contract, tokens included
+    # Histograms are per node and job, never per rank.
+    assert not [k for k in m if k[0].startswith("syncwatch_step_duration") and "rank" in dict(k[1])]
+
+
+def test_silent_rank_removed_after_ttl(sock_path):
+    with DaemonThread(config(sock_path, rank_ttl=0.4)) as d:
+        c = Client(d.socket_path)
+        alive, silent = RankSim(identity(0)), RankSim(identity(1))
+        c.send(alive.step(1, 0.1), silent.step(1, 0.1))
+        wait_records(d.url, 2)
+        assert healthz(d.url)["ranks"] == 2
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:  # rank 0 heartbeats, rank 1 stays silent
+            c.send(alive.enc.heartbeat(WALL0 + 2, 1, WALL0 + 1, "forward", 0.1, 2))
+            time.sleep(0.1)
+        m = scrape(d.url)
+    assert not series_of(m, train_job="job-a", rank=1)
+    assert value(m, "syncwatch_steps_total", train_job="job-a", rank=0) == 1
+    assert value(m, "syncwatch_ranks_active") == 1
+
+
+def test_job_removed_after_end_plus_grace(sock_path):
+    with DaemonThread(config(sock_path, job_grace=0.5, rank_ttl=30)) as d:
+        c = Client(d.socket_path)
+        sims = [RankSim(identity(r, world=2)) for r in range(2)]
+        c.send(*(s.step(1, 0.1) for s in sims), *(s.enc.end(WALL0 + 2, 1) for s in sims))
+        wait_records(d.url, 4)
+        m = scrape(d.url)
+        assert value(m, "syncwatch_steps_total", train_job="job-a", rank=1) == 1  # kept for the grace
+        assert value(m, "syncwatch_job_world_size", train_job="job-a") == 2
+        wait_for(lambda: healthz(d.url)["jobs"] == 0, 10, "job removal")
+        m = scrape(d.url)
+    assert not series_of(m, train_job="job-a")
+    assert value(m, "syncwatch_ranks_active") == 0
+
+
+def test_restarts_and_rerun_steps(daemon, client):
+    a0 = RankSim(identity(0, attempt=0, pid=100))
+    client.send(*(a0.step(s, 0.1, checkpoint=s == 40) for s in range(1, 51)))
+    # Attempt 1 resumes from the checkpoint at step 40: steps 41..50 are computed again.
+    a1 = RankSim(identity(0, attempt=1, pid=200))
+    client.send(a1.enc.heartbeat(WALL0 + 60, 0, 0.0, "data", 2.0, 0))
+    client.send(*(a1.step(s, 0.1) for s in range(41, 56)))
+    wait_records(daemon.url, 66)
+    m = scrape(daemon.url)
+    assert value(m, "syncwatch_job_restarts_total", train_job="job-a") == 1
+    assert value(m, "syncwatch_job_rerun_steps_total", train_job="job-a") == 10
+    assert value(m, "syncwatch_job_attempt", train_job="job-a") == 1
+    assert value(m, "syncwatch_steps_total", train_job="job-a", rank=0) == 15  # the new process's own
+    # Same attempt, new process, step goes backwards (in-place restart): 53..55 again.
+    b = RankSim(identity(0, attempt=1, pid=300))
+    client.send(*(b.step(s, 0.1, checkpoint=s == 60) for s in range(53, 61)))
+    # Same attempt, new process, moving forward: not a restart.
+    c = RankSim(identity(0, attempt=1, pid=400))
+    client.send(c.step(61, 0.1))
+    # A stale record of the old attempt is ignored.
+    client.send(a0.step(51, 0.1))
+    wait_records(daemon.url, 76)
+    m = scrape(daemon.url)
+    assert value(m, "syncwatch_job_restarts_total", train_job="job-a") == 2
+    assert value(m, "syncwatch_job_rerun_steps_total", train_job="job-a") == 13
+    assert value(m, "syncwatch_job_attempt", train_job="job-a") == 1
+    assert value(m, "syncwatch_last_step", train_job="job-a", rank=0) == 61
+
+
+def test_checkpoint_totals_come_from_rank0(daemon, client):
+    r0 = RankSim(identity(0))
+    ck = tuple(0.5 if p == "checkpoint" else 0.01 for p in PHASES)
+    client.send(r0.step(1, 0.6, phases=ck, checkpoint=True), r0.step(2, 0.1),
+                r0.step(3, 0.6, phases=ck, checkpoint=True))
+    client.send(RankSim(identity(1)).step(1, 0.6, phases=ck, checkpoint=True))
+    wait_records(daemon.url, 4)
+    m = scrape(daemon.url)
+    assert value(m, "syncwatch_checkpoints_total", train_job="job-a") == 2
+    assert value(m, "syncwatch_checkpoint_seconds_total", train_job="job-a") == pytest.approx(
+        1.0 + 0.1 / len(PHASES))
+
+
+def test_heartbeat_only_rank_shows_phase_and_stale_step_time(daemon, client):
+    hung = Encoder(identity(3))
+    now = time.time()
+    client.send(hung.heartbeat(now - 5, 7, now - 100, "sync", 95.0, 40))
+    client.send(hung.heartbeat(now, 7, now - 100, "sync", 100.0, 40))
+    client.send(hung.heartbeat(now - 10, 7, now - 100, "forward", 1.0, 39))  # late, older: ignored
+    wait_records(daemon.url, 3)
+    m = scrape(daemon.url)
+    lab = dict(train_job="job-a", rank=3)
+    assert value(m, "syncwatch_rank_phase_elapsed_seconds", phase="sync", **lab) == 100.0
+    assert len([k for k in m if k[0] == "syncwatch_rank_phase_elapsed_seconds"]) == 1
+    assert value(m, "syncwatch_last_step_timestamp_seconds", **lab) == pytest.approx(now - 100)
+    assert value(m, "syncwatch_last_step", **lab) == 7
+    assert value(m, "syncwatch_collective_sequence", **lab) == 40
+    assert value(m, "syncwatch_steps_total", **lab) is None  # no step record yet: no counters
+    assert value(m, "syncwatch_rank_info", local_rank=3, node="node-1", gpu="", uuid="", pid=1003, **lab) == 1
+
+
+def test_client_dropped_records_is_monotonic(sock_path):
+    with DaemonThread(config(sock_path, rank_ttl=0.3)) as d:
+        c = Client(d.socket_path)
+        r = RankSim(identity(2, pid=10))
+        c.send(r.step(1, 0.1, dropped=5), r.step(2, 0.1, dropped=8))
+        c.send(Encoder(identity(2, pid=11)).heartbeat(WALL0, 0, 0.0, "data", 0.1, 0, dropped_records=2))
+        wait_records(d.url, 3)
+        assert value(scrape(d.url), "syncwatch_client_dropped_records_total") == 10
+        wait_for(lambda: healthz(d.url)["ranks"] == 0, 10, "rank expiry")
+        m = scrape(d.url)
+    assert value(m, "syncwatch_client_dropped_records_total") == 10
+
+
+class _Failing:
+    def __init__(self):
+        self.started = self.stopped = False
+
+    def start(self):
+        self.started = True
+
+    def stop(self):
+        self.stopped = True
+
+    def collect(self):
+        raise RuntimeError("sensor on fire")
+
+
+class _Working:
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+        yield GaugeMetricFamily("syncwatch_test_extra", "An extra collector.", value=42)
+
+
+def test_extra_collectors_are_guarded(sock_path):
+    failing = _Failing()
+    with DaemonThread(config(sock_path), extra_collectors=[failing, _Working()]) as d:
+        assert failing.started
+        m = scrape(d.url)
+    assert failing.stopped
+    assert value(m, "syncwatch_test_extra") == 42
+    assert value(m, "syncwatch_build_info", version=__import__("syncwatch").__version__) == 1
+
+
+def test_udp_ingest(sock_path):
+    with DaemonThread(config(None, udp="127.0.0.1:0")) as d:
+        s = Sender(udp=d.udp_address)
+        sim = RankSim(identity(0))
+        for step in range(1, 11):
+            assert s.send(sim.step(step, 0.1))
+        wait_records(d.url, 10)
+        m = scrape(d.url)
+    assert value(m, "syncwatch_steps_total", train_job="job-a", rank=0) == 10
+
+
+def test_healthz(daemon, client):
+    client.send(_valid_step(), b"junk")
+    h = wait_records(daemon.url, 2)
+    assert h == {"status": "ok", "ranks": 1, "jobs": 1, "records": 1, "rejected": 1}
+
+
+def test_socket_file_modes_and_stale_socket_replaced(sock_path):
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    stale.bind(sock_path)
+    stale.close()  # the file stays, nobody listens: what a crashed daemon leaves
+    with DaemonThread(config(sock_path)) as d:
+        assert os.stat(sock_path).st_mode & 0o777 == 0o660
+        Client(sock_path).send(_valid_step())
+        wait_records(d.url, 1)
+        with pytest.raises(OSError, match="in use by another running daemon"):
+            DaemonThread(config(sock_path)).start()
+    assert not os.path.exists(sock_path)  # removed on clean stop
+
+
+def test_socket_directory_created_0750(tmp_path):
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(prefix="sw-"), "run", "ingest.sock")
+    with DaemonThread(config(path)):
+        assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o750
+
+
+def test_cli_sigterm_clean_and_errors_exit_2(sock_path):
+    proc, url = _start_cli_daemon(sock_path)
+    Client(sock_path).send(_valid_step())
+    wait_records(url, 1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert not os.path.exists(sock_path)
+
+    r = subprocess.run(_daemon_cmd("--listen", "127.0.0.1:0", "--socket", "/proc/no/such/x.sock"),
+                       env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "socket directory" in r.stderr, r.stderr
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        r = subprocess.run(_daemon_cmd("--listen", f"127.0.0.1:{taken.getsockname()[1]}", "--socket", ""),
+                           env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "address already in use" in r.stderr.lower(), r.stderr
+
+
+def test_env_twins_configure_the_daemon(sock_path):
+    import argparse
+
+    from syncwatch.daemon.main import config_from_args, register
+    os.environ["SYNCWATCH_RANK_TTL"] = "7.5"
+    try:
+        p = argparse.ArgumentParser()
+        register(p.add_subparsers())
+        cfg = config_from_args(p.parse_args(["daemon", "--socket", "", "--max-jobs", "3"]))
+    finally:
+        del os.environ["SYNCWATCH_RANK_TTL"]
+    assert (cfg.rank_ttl, cfg.max_jobs, cfg.socket, cfg.listen) == (7.5, 3, None, "127.0.0.1:9477")
+
+
+def test_non_finite_and_struct_level_garbage_never_crash_the_reader(daemon, client):
+    rng = random.Random(11)
+    good = _valid_step()
+    n = 0
+    for _ in range(300):  # random mutations of a valid record
+        b = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        client.send(bytes(b))
+        n += 1
+    client.send(struct.pack("<2sBBH", b"SW", 1, 1, 0xFFFF))
+    client.send(_valid_step())
+    h = wait_records(daemon.url, n + 2)
+    assert h["records"] >= 1 and h["records"] + h["rejected"] == n + 2
+    assert math.isfinite(value(scrape(daemon.url), "syncwatch_ingest_records_total"))
