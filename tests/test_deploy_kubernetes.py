@@ -151,8 +151,8 @@ def test_training_job_uses_the_daemon_socket():
 
 def test_prometheusrules_equal_alerts():
     rules = [o for o in load_all(K8S / "prometheusrule.yaml")]
-    alert_files = sorted((ROOT / "alerts").glob("*.yml"))
-    assert alert_files, "alerts/*.yml missing"
+    alert_files = sorted((ROOT / "alerts").glob("*.rules.yml"))
+    assert alert_files, "alerts/*.rules.yml missing"
     assert len(rules) == len(alert_files)
     for path, rule in zip(alert_files, rules):
         assert rule["spec"]["groups"] == yaml.safe_load(path.read_text())["groups"], path.name

@@ -1,6 +1,6 @@
 """Render the Kubernetes objects that are copies of other files in the repository.
 
-* ``prometheusrule.yaml``: one PrometheusRule per ``alerts/*.yml`` file, ``spec.groups`` equal to
+* ``prometheusrule.yaml``: one PrometheusRule per ``alerts/*.rules.yml`` file, ``spec.groups`` equal to
   that file's ``groups`` (the Prometheus Operator loads them into Prometheus' rule files);
 * ``dashboards.yaml``: one ConfigMap per ``dashboards/json/*.json``, labelled ``grafana_dashboard: "1"``
   for the Grafana sidecar (kube-prometheus-stack's default label), the JSON byte for byte.
@@ -49,7 +49,7 @@ def _name(stem: str) -> str:
 
 def prometheus_rules(root: Path = ROOT) -> list[dict]:
     objects = []
-    for path in sorted((root / "alerts").glob("*.yml")):
+    for path in sorted((root / "alerts").glob("*.rules.yml")):
         groups = yaml.safe_load(path.read_text())["groups"]
         objects.append({
             "apiVersion": "monitoring.coreos.com/v1",
@@ -76,7 +76,7 @@ def dashboard_configmaps(root: Path = ROOT) -> list[dict]:
 def render(root: Path = ROOT) -> dict[Path, str]:
     """Output file -> its content."""
     return {
-        HERE / "prometheusrule.yaml": _dump(prometheus_rules(root), "alerts/*.yml"),
+        HERE / "prometheusrule.yaml": _dump(prometheus_rules(root), "alerts/*.rules.yml"),
         HERE / "dashboards.yaml": _dump(dashboard_configmaps(root), "dashboards/json/*.json"),
     }
 
