@@ -11,6 +11,10 @@ import sys
 SUBCOMMANDS = {
     "daemon": "syncwatch.daemon.main",
     "demo": "syncwatch.sim.demo",
+    "jct": "syncwatch.analysis.jct",
+    "diagnose": "syncwatch.analysis.diagnose",
+    "project": "syncwatch.analysis.project",
+    "report": "syncwatch.analysis.report",
 }
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -1,0 +1,519 @@
+"""``syncwatch diagnose``: classify a train job's state into the synchronization failure modes.
+
+Each detector reads the ``JobView`` and either stays silent or returns a ``Finding``: the observed
+phenomenon with its evidence (series and values), the structural cause, the decision options and
+a confidence. The thresholds live in ``Thresholds``; docs/analysis.md explains each signature.
+
+| mode | signature |
+| --- | --- |
+| straggler (persistent) | one rank arrives last in most steps, and the others idle for it (coupling) |
+| straggler (transient)  | high coupling, last arrivals spread over ranks |
+| oscillation            | lag-1 autocorrelation of step time strongly negative |
+| fabric contention      | collective time (wait not explained by slack) inflated in episodes, with congestion counters |
+| thermal coupling       | straggling node throttles / runs hottest, or the straggling node rotates with a slow period |
+| topology mismatch      | collective time grows faster than bytes moved, without congestion |
+| checkpoint-restart     | restarts and re-run steps in the range |
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+
+from .common import command, emit_json, pct
+from .source import add_source_flags, view_from_args
+from .view import BYTES_SERIES, CONGESTION_SERIES, JobView
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    coupling: float = 0.05             # share of rank-time idled for slower peers worth a finding
+    persistent_share: float = 0.5      # one rank's share of last arrivals: a persistent straggler
+    rotating_node_share: float = 0.6   # mean per-window share of the top node: node-level straggling
+    oscillation: float = -0.5          # lag-1 autocorrelation of step time
+    collective_inflation: float = 1.5  # window collective time / quiet baseline (20th percentile)
+    inflated_windows: float = 0.1      # share of windows inflated: contention, not a blip
+    correlation: float = 0.5           # Pearson r of collective time and congestion counters
+    topology_growth: float = 1.3       # collective time growth (late / early) ...
+    bytes_growth: float = 1.1          # ... while bytes per step grow less than this
+    hot_margin_celsius: float = 5.0    # straggling node this much hotter than the others
+
+
+@dataclass
+class Finding:
+    mode: str
+    title: str
+    phenomenon: str
+    evidence: list[dict]
+    cause: str
+    options: list[str]
+    confidence: float
+    subject: dict = field(default_factory=dict)   # rank / node named by the finding
+
+    @property
+    def confidence_word(self) -> str:
+        return "high" if self.confidence >= 0.8 else "medium" if self.confidence >= 0.5 else "low"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["confidence_word"] = self.confidence_word
+        return d
+
+
+@dataclass
+class Diagnosis:
+    job: str
+    source: str
+    start: float
+    end: float
+    ranks: int
+    nodes: int
+    steps: float
+    scores: dict
+    findings: list[Finding]
+    notes: list[str]
+
+    @property
+    def healthy(self) -> bool:
+        return not self.findings
+
+    def to_dict(self) -> dict:
+        return {"job": self.job, "source": self.source, "start": self.start, "end": self.end,
+                "ranks": self.ranks, "nodes": self.nodes, "steps": self.steps, "scores": self.scores,
+                "healthy": self.healthy,
+                "verdict": "no structural problem found" if self.healthy else
+                           f"{len(self.findings)} structural problem(s) found",
+                "findings": [f.to_dict() for f in self.findings], "notes": self.notes}
+
+
+# ---------------------------------------------------------------- helpers
+
+def _vals(xs) -> list[float]:
+    return [x for x in xs if x is not None and math.isfinite(x)]
+
+
+def _mean(xs) -> float | None:
+    v = _vals(xs)
+    return sum(v) / len(v) if v else None
+
+
+def _pearson(a: list[float | None], b: list[float | None]) -> float | None:
+    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    if len(pairs) < 4:
+        return None
+    xs, ys = zip(*pairs)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sx = math.sqrt(sum((x - mx) ** 2 for x in xs))
+    sy = math.sqrt(sum((y - my) ** 2 for y in ys))
+    if sx == 0 or sy == 0:
+        return None
+    return sum((x - mx) * (y - my) for x, y in pairs) / (sx * sy)
+
+
+def _node_sum(rows: dict[str, list[float | None]]) -> list[float | None]:
+    out: list[float | None] = []
+    for i in range(len(next(iter(rows.values())))):
+        vals = [r[i] for r in rows.values() if r[i] is not None]
+        out.append(sum(vals) if vals else None)
+    return out
+
+
+def scores(v: JobView) -> dict:
+    step_s, steps = v.total("step_seconds"), v.total("steps")
+    ranks = max(1, len(v.rank_node))
+    la = {r: v.total("last_arrivals", r) for r in v.ranks}
+    la_total = sum(la.values())
+    return {
+        "mean_step_seconds": step_s / steps if steps else None,
+        "sync_tax": v.total("sync_seconds") / step_s if step_s else None,
+        "coupling": v.total("slack_seconds") / step_s if step_s and v.has_exact() else None,
+        "straggler_concentration": max(la.values()) / la_total if la_total else None,
+        "step_cv": _mean(v.cv),
+        "step_autocorrelation": _mean(v.autocorrelation),
+        "collective_seconds": _mean(v.collective_series()),
+        "steps": steps / ranks,
+        "rerun_steps": _vals(v.rerun_steps)[-1] - _vals(v.rerun_steps)[0] if len(_vals(v.rerun_steps)) > 1 else 0.0,
+        "restarts": _vals(v.restarts)[-1] - _vals(v.restarts)[0] if len(_vals(v.restarts)) > 1 else 0.0,
+    }
+
+
+# ---------------------------------------------------------------- detectors
+
+def detect_stragglers(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
+    if not v.has_exact():
+        return []
+    coupling = s["coupling"] or 0.0
+    la = {r: v.total("last_arrivals", r) for r in v.ranks}
+    total = sum(la.values())
+    top = max(la, key=la.get)
+    share = la[top] / total
+    node = v.rank_node[top]
+    evidence = [
+        {"series": "train_job:syncwatch_coupling:ratio5m", "value": round(coupling, 4),
+         "reading": f"{pct(coupling)} of all rank-time idled waiting for slower peers"},
+        {"series": f'syncwatch_last_arrivals_total{{rank="{top}",node="{node}"}}', "value": la[top],
+         "reading": f"rank {top} arrived last in {pct(share)} of last arrivals ({la[top]:.0f} of {total:.0f})"},
+        {"series": "train_job:syncwatch_straggler_concentration:ratio10m", "value": round(share, 4),
+         "reading": f"1/N would be {pct(1 / max(1, len(la)))}"},
+    ]
+    if share >= th.persistent_share and coupling >= th.coupling / 2:
+        slack_other = _mean([v.total("slack_seconds", r) / max(1.0, v.total("steps", r))
+                             for r in v.ranks if r != top])
+        evidence.append({"series": "syncwatch_slack_seconds_total / syncwatch_steps_total (other ranks)",
+                         "value": round(slack_other or 0.0, 6),
+                         "reading": f"every other rank idles {1e3 * (slack_other or 0):.1f} ms per step for it"})
+        return [Finding(
+            mode="straggler_persistent", title=f"Persistent straggler: rank {top} on {node}",
+            phenomenon=f"Rank {top} (node {node}) arrives last at the gradient collective in {pct(share)} "
+                       f"of steps; the other {len(la) - 1} ranks wait for it, {pct(coupling)} of all "
+                       "rank-time is idle.",
+            evidence=evidence,
+            cause="One slow rank sets the pace of a synchronous job: its local slowness (a degraded GPU, "
+                  "a throttling or misconfigured node, a slower data shard) is amplified to every rank at "
+                  "every collective.",
+            options=[f"cordon node {node} and restart the job without it (or swap the GPU of rank {top})",
+                     f"inspect rank {top}'s GPU clocks, throttle reasons and data loading",
+                     "rebalance: give the slow rank a smaller share of the batch if its slowness is structural"],
+            confidence=min(0.95, 0.5 + share / 2), subject={"rank": top, "node": node})]
+    if coupling >= th.coupling and node_rotation(v)[0] < th.rotating_node_share:
+        return [Finding(
+            mode="straggler_transient", title="Transient jitter amplified by synchronization",
+            phenomenon=f"{pct(coupling)} of all rank-time is idle at the collective, yet last arrivals "
+                       f"are spread over ranks (the most frequent last arrival holds {pct(share)}).",
+            evidence=evidence,
+            cause="Independent per-rank jitter (OS noise, data loading, garbage collection, page faults) "
+                  "is amplified by the order statistics of the slowest rank: every step waits for the "
+                  "worst draw among all ranks, and that worst draw grows with the rank count.",
+            options=["remove jitter sources: pin CPU cores, more data-loader workers and prefetch, "
+                     "disable Python GC during steps",
+                     "synchronize less often: gradient accumulation (more micro-batches per step)",
+                     "overlap communication with the backward pass",
+                     "scale down: the expected slowest rank grows with the rank count"],
+            confidence=min(0.9, 0.4 + coupling * 4))]
+    return []
+
+
+def node_rotation(v: JobView) -> tuple[float, list[str]]:
+    """(mean per-window share of the node that arrived last most, the sequence of those nodes)."""
+    rows = v.node_last_arrivals()
+    shares, tops = [], []
+    for i in range(len(v.times)):
+        col = {n: rows[n][i] for n in rows}
+        tot = sum(col.values())
+        if tot <= 0:
+            continue
+        top = max(col, key=col.get)
+        shares.append(col[top] / tot)
+        tops.append(top)
+    return (sum(shares) / len(shares) if shares else 0.0), tops
+
+
+def detect_thermal(v: JobView, s: dict, th: Thresholds, found: list[Finding]) -> list[Finding]:
+    temps = v.hardware.get("gpu_temperature_celsius", {})
+    throttle = v.hardware.get("gpu_thermal_throttle", {})
+    evidence, conf, subject = [], 0.0, {}
+    straggler = next((f for f in found if f.mode == "straggler_persistent"), None)
+    if straggler:
+        node = straggler.subject["node"]
+        thr = _mean(throttle.get(node, []))
+        if thr:
+            evidence.append({"series": f'syncwatch_gpu_throttle_active{{node="{node}",reason=~".*thermal.*"}}',
+                             "value": round(thr, 3), "reading": f"thermal throttling active {pct(thr)} of the time "
+                                                               f"on the straggling node {node}"})
+            conf = max(conf, 0.9)
+        hot = _hotter(temps, node)
+        if hot is not None and hot >= th.hot_margin_celsius:
+            evidence.append({"series": f'syncwatch_gpu_temperature_celsius{{node="{node}"}}', "value": round(hot, 1),
+                             "reading": f"{node} runs {hot:.1f} °C hotter than the other nodes"})
+            conf = max(conf, 0.75)
+        subject = {"node": node}
+    if not straggler and v.has_exact():
+        share, tops = node_rotation(v)
+        distinct = sorted(set(tops))
+        la_nodes = v.node_last_arrivals()
+        totals = {n: sum(r) for n, r in la_nodes.items()}
+        overall = max(totals.values()) / max(1.0, sum(totals.values()))
+        if share >= th.rotating_node_share and len(distinct) >= 2 and overall < th.persistent_share + 0.2:
+            evidence.append({"series": "syncwatch_last_arrivals_total summed by node, per window",
+                             "value": round(share, 3),
+                             "reading": f"in each window one node takes {pct(share)} of last arrivals, "
+                                        f"but the straggling node moves: {', '.join(distinct)}"})
+            step_ac = _lag1([x for x in v.mean_step_series() if x is not None])
+            if step_ac is not None:
+                evidence.append({"series": "train_job:syncwatch_step_seconds:mean5m (lag-1 autocorrelation "
+                                           "across windows)", "value": round(step_ac, 3),
+                                 "reading": "step time drifts slowly" if step_ac > 0.3 else "step time drift"})
+            conf = 0.55
+            hw = [n for n in distinct if _mean(throttle.get(n, [])) or ((_hotter(temps, n) or 0) >= th.hot_margin_celsius)]
+            if hw:
+                evidence.append({"series": "syncwatch_gpu_throttle_active / syncwatch_gpu_temperature_celsius",
+                                 "value": len(hw), "reading": f"straggling nodes {', '.join(hw)} throttle or run hot"})
+                conf = 0.85
+            elif not (temps or throttle):
+                evidence.append({"series": "syncwatch_gpu_*", "value": None,
+                                 "reading": "no GPU telemetry in range to confirm the thermal cause"})
+            subject = {"nodes": distinct}
+    if not evidence:
+        return []
+    where = subject.get("node") or ", ".join(subject.get("nodes", []))
+    return [Finding(
+        mode="thermal_coupling", title=f"Thermal coupling: {where}",
+        phenomenon=_sentence("; ".join(e["reading"] for e in evidence if e["value"] is not None)),
+        evidence=evidence,
+        cause="A GPU that heats up lowers its clocks (thermal or hardware slowdown); in a synchronous job "
+              "that node's slowdown becomes every rank's wait, and as nodes heat and cool in turn the "
+              "straggler moves between them.",
+        options=[f"check cooling, airflow and inlet temperature of {where}; cordon a node that throttles persistently",
+                 "cap power or clocks uniformly so all nodes run at the same, sustainable speed",
+                 "schedule the job away from the hot rack / row"],
+        confidence=conf, subject=subject)]
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:] + "."
+
+
+def _hotter(temps: dict[str, list], node: str) -> float | None:
+    mine = _mean(temps.get(node, []))
+    others = _vals([_mean(r) for n, r in temps.items() if n != node])
+    if mine is None or not others:
+        return None
+    return mine - statistics.median(others)
+
+
+def _lag1(xs: list[float]) -> float | None:
+    if len(xs) < 4:
+        return None
+    m = sum(xs) / len(xs)
+    den = sum((x - m) ** 2 for x in xs)
+    return sum((a - m) * (b - m) for a, b in zip(xs, xs[1:])) / den if den else None
+
+
+def detect_oscillation(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
+    ac = s["step_autocorrelation"]
+    if ac is None or ac > th.oscillation:
+        return []
+    return [Finding(
+        mode="oscillation", title="Synchronization oscillation",
+        phenomenon=f"Step time alternates long/short: lag-1 autocorrelation {ac:.2f} "
+                   f"(step CV {pct(s['step_cv'])}).",
+        evidence=[{"series": "syncwatch_step_autocorrelation (mean over ranks)", "value": round(ac, 3),
+                   "reading": "strongly negative: a long step is followed by a short one"},
+                  {"series": "syncwatch_step_cv (mean over ranks)", "value": round(s["step_cv"] or 0, 4),
+                   "reading": f"{pct(s['step_cv'])} step-time variation"}],
+        cause="A feedback loop around the synchronization point: work that one step defers lands on the "
+              "next (prefetch or data-loader refill racing compute, alternating bucket or pipeline "
+              "schedules, a controller over-correcting), so ranks fall into a two-step rhythm.",
+        options=["profile two consecutive steps: find the work that moves between them (data refill, "
+                 "optimizer offload, logging or evaluation every other step)",
+                 "bound prefetch/refill so each step does the same work",
+                 "pin the collective algorithm and bucket order (no autotuning between steps)"],
+        confidence=min(0.95, 0.5 + (-ac - 0.5)))]
+
+
+def detect_fabric(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
+    coll = v.collective_series()
+    vals = _vals(coll)
+    if len(vals) < 4:
+        return []
+    base = statistics.quantiles(vals, n=5)[0]  # quiet windows: episodes may fill half of them
+    if base <= 0:
+        return []
+    inflated = [x for x in vals if x >= th.collective_inflation * base]
+    frac = len(inflated) / len(vals)
+    congestion = {name: _node_sum(rows) for name, rows in v.hardware.items()
+                  if name in CONGESTION_SERIES and rows}
+    tax = v.sync_tax_series()
+    corr = {name: _pearson(coll, series) for name, series in congestion.items()}
+    corr_tax = {name: _pearson(tax, series) for name, series in congestion.items()}
+    best = max((c for c in list(corr.values()) + list(corr_tax.values()) if c is not None), default=None)
+    episodes = frac >= th.inflated_windows
+    if not episodes and not (best is not None and best >= th.correlation and max(vals) >= th.collective_inflation * base):
+        return []
+    evidence = [{"series": "collective time per step = (sync − slack) / steps", "value": round(base, 6),
+                 "reading": f"baseline {1e3 * base:.1f} ms per step"},
+                {"series": "collective time per step, inflated windows", "value": round(max(vals), 6),
+                 "reading": f"{pct(frac)} of windows at ≥ {th.collective_inflation}x baseline, "
+                            f"peak {1e3 * max(vals):.1f} ms ({max(vals) / base:.1f}x)"},
+                {"series": "train_job:syncwatch_sync_tax:ratio5m", "value": round(s["sync_tax"] or 0, 4),
+                 "reading": f"sync tax {pct(s['sync_tax'])}, peak window "
+                            f"{pct(max(_vals(tax), default=0))}"}]
+    for name, c in corr.items():
+        if c is not None:
+            evidence.append({"series": f"{name} (sum over nodes)", "value": round(c, 3),
+                             "reading": f"correlation with collective time r = {c:.2f}"})
+    if best is not None and best >= th.correlation:
+        conf = 0.9
+    elif congestion:
+        conf = 0.5
+        evidence.append({"series": ", ".join(congestion), "value": None,
+                         "reading": "congestion counters do not follow the collective time"})
+    else:
+        conf = 0.65
+        evidence.append({"series": "syncwatch_ib_port_xmit_wait_total, syncwatch_roce_*", "value": None,
+                         "reading": "no fabric counters in range to confirm; the collective itself slowed "
+                                    "while arrival spread (slack) did not explain it"})
+    return [Finding(
+        mode="fabric_contention", title="Fabric contention",
+        phenomenon=f"The gradient collective itself slows down in episodes ({pct(frac)} of windows, up to "
+                   f"{max(vals) / base:.1f}x its baseline) — not the ranks' arrival spread.",
+        evidence=evidence,
+        cause="Traffic of this job (or a neighbour) collides on an oversubscribed fabric: flows share "
+              "links and switch buffers, congestion control (ECN/CNP, InfiniBand credit waits) throttles "
+              "them, and every rank waits for the slowest transfer.",
+        options=["change placement: pack the job under fewer leaf switches / one rail group, away from "
+                 "noisy neighbours", "change the collective algorithm (tree or hierarchical instead of "
+                 "flat ring; NCCL_ALGO) to cut cross-spine traffic",
+                 "check adaptive routing, ECN/PFC configuration and link health on the affected ports",
+                 "overlap communication with compute so episodes hide behind backward"],
+        confidence=conf)]
+
+
+def detect_topology(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
+    bytes_rows = next((v.hardware[n] for n in BYTES_SERIES if v.hardware.get(n)), None)
+    if not bytes_rows:
+        return []
+    coll = v.collective_series()
+    steps = v.steps_per_window()
+    per_step_bytes = [b * v.window / st if b is not None and st else None
+                      for b, st in zip(_node_sum(bytes_rows), steps)]
+    half = len(coll) // 2
+    if half < 2:
+        return []
+    c_early, c_late = _mean(coll[:half]), _mean(coll[half:])
+    b_early, b_late = _mean(per_step_bytes[:half]), _mean(per_step_bytes[half:])
+    if not (c_early and c_late and b_early and b_late):
+        return []
+    growth, bgrowth = c_late / c_early, b_late / b_early
+    congestion = [r for n, r in v.hardware.items() if n in CONGESTION_SERIES]
+    cong_growth = None
+    if congestion:
+        series = _node_sum({str(i): row for rows in congestion for i, row in enumerate(rows.values())})
+        e, late = _mean(series[:half]), _mean(series[half:])
+        cong_growth = (late / e) if e else (math.inf if late else 1.0)
+    if growth < th.topology_growth or bgrowth >= th.bytes_growth or (cong_growth or 1.0) >= th.topology_growth:
+        return []
+    return [Finding(
+        mode="topology_mismatch", title="Topology mismatch",
+        phenomenon=f"Collective time grew {growth:.2f}x across the range while the bytes moved per step grew "
+                   f"only {bgrowth:.2f}x, without rising congestion counters.",
+        evidence=[{"series": "collective time per step, first vs second half", "value": [round(c_early, 6), round(c_late, 6)],
+                   "reading": f"{1e3 * c_early:.1f} ms -> {1e3 * c_late:.1f} ms"},
+                  {"series": "NIC/IB bytes per step (sum over nodes)", "value": [round(b_early), round(b_late)],
+                   "reading": f"{bgrowth:.2f}x"}],
+        cause="The collective's communication pattern does not match the physical topology: more hops, "
+              "cross-rail or cross-spine paths, or ranks placed so a ring crosses the network more often "
+              "than needed — time grows without more data.",
+        options=["make placement topology-aware (contiguous nodes per leaf, rank order following the rails)",
+                 "use a hierarchical / tree collective (NCCL_ALGO=Tree, NCCL topology file)",
+                 "check for a degraded link that forced routes onto longer paths"],
+        confidence=0.6)]
+
+
+def detect_restarts(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
+    restarts, rerun = s["restarts"], s["rerun_steps"]
+    if restarts <= 0 and rerun <= 0:
+        return []
+    steps = s["steps"] or 0.0
+    span = v.end - v.start
+    evidence = [{"series": "syncwatch_job_restarts_total", "value": restarts,
+                 "reading": f"{restarts:.0f} restart(s) in {span / 60:.1f} min"},
+                {"series": "syncwatch_job_rerun_steps_total", "value": rerun,
+                 "reading": f"{rerun:.0f} steps computed twice ({pct(rerun / steps if steps else None)} of the steps run)"}]
+    options = ["find and remove the failing component: cordon the node behind the failures (XID errors, "
+               "link flaps, ECC) before the next restart",
+               "checkpoint asynchronously so a shorter interval costs little"]
+    ckpt_s = v.total("checkpoint_seconds") / max(1, len(v.rank_node))
+    if restarts > 0 and v.checkpoints:
+        from .checkpoint import young_interval
+        t_ckpt = ckpt_s / v.checkpoints
+        mtbf = span / restarts
+        interval = young_interval(t_ckpt, mtbf)
+        mean_step = s["mean_step_seconds"] or 1.0
+        evidence.append({"series": "syncwatch_phase_seconds_total{phase=\"checkpoint\"} / syncwatch_checkpoints_total",
+                         "value": round(t_ckpt, 3), "reading": f"a checkpoint costs {t_ckpt:.2f} s; observed MTBF "
+                                                               f"{mtbf / 60:.1f} min"})
+        options.insert(1, f"set the checkpoint interval to Young's optimum sqrt(2 T_ckpt MTBF) = {interval:.0f} s "
+                          f"(~{interval / mean_step:.0f} steps) for the observed failure rate")
+    options.append("scale down: cluster MTBF falls as 1/nodes, and every failure re-runs work on all of them")
+    return [Finding(
+        mode="checkpoint_restart", title="Checkpoint-restart amplification",
+        phenomenon=f"The job restarted {restarts:.0f} time(s) and re-ran {rerun:.0f} steps.",
+        evidence=evidence,
+        cause="Every failure of any node stops all ranks: the job pays the restart and recomputes every "
+              "step since the last checkpoint, so failures cost work in proportion to the checkpoint "
+              "interval and their rate in proportion to the node count.",
+        options=options, confidence=0.9 if restarts >= 2 else 0.7)]
+
+
+def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
+    s = scores(v)
+    notes = []
+    if not v.has_exact():
+        notes.append("no slack / last-arrival counters (exact skew exchange off): straggler attribution not assessed")
+    if not any(n in v.hardware for n in ("gpu_temperature_celsius", "gpu_thermal_throttle")):
+        notes.append("no GPU telemetry in range: thermal causes inferred from arrival patterns only")
+    if not any(n in v.hardware for n in CONGESTION_SERIES):
+        notes.append("no InfiniBand/RoCE congestion counters in range: fabric contention inferred from collective time only")
+    if not any(n in v.hardware for n in BYTES_SERIES):
+        notes.append("no NIC/IB byte counters in range: topology mismatch not assessed")
+    found: list[Finding] = []
+    found += detect_stragglers(v, s, th)
+    found += detect_thermal(v, s, th, found)
+    if any(f.mode == "thermal_coupling" for f in found):
+        found = [f for f in found if f.mode != "straggler_transient"]
+    found += detect_oscillation(v, s, th)
+    found += detect_fabric(v, s, th)
+    found += detect_topology(v, s, th)
+    found += detect_restarts(v, s, th)
+    found.sort(key=lambda f: -f.confidence)
+    return Diagnosis(job=v.job, source=v.source, start=v.start, end=v.end, ranks=len(v.rank_node),
+                     nodes=len(v.nodes), steps=s["steps"], scores=s, findings=found, notes=notes)
+
+
+# ---------------------------------------------------------------- CLI
+
+def summary(d: Diagnosis) -> str:
+    s = d.scores
+    lines = [f"syncwatch diagnose: train job {d.job} — {d.ranks} ranks on {d.nodes} nodes, "
+             f"{d.steps:,.0f} steps ({d.source})",
+             f"  mean step {_ms(s['mean_step_seconds'])}, sync tax {pct(s['sync_tax'])}, coupling "
+             f"{pct(s['coupling'])}, step CV {pct(s['step_cv'])}, straggler concentration "
+             f"{pct(s['straggler_concentration'])}"]
+    if d.healthy:
+        lines.append("  no structural problem found")
+    for i, f in enumerate(d.findings, 1):
+        lines.append(f"\n{i}. {f.title}  [confidence {f.confidence_word}, {f.confidence:.2f}]")
+        lines.append(f"   observed: {f.phenomenon}")
+        for e in f.evidence:
+            lines.append(f"     - {e['series']}: {e['reading']}")
+        lines.append(f"   cause: {f.cause}")
+        lines.append("   options:")
+        lines += [f"     * {o}" for o in f.options]
+    if d.notes:
+        lines.append("")
+        lines += [f"  note: {n}" for n in d.notes]
+    return "\n".join(lines)
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{1e3 * x:.1f} ms"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("diagnose", help="classify a train job's state into synchronization failure modes",
+                              description="Diagnose a train job from Prometheus or a recorded run.")
+    add_source_flags(p)
+    p.set_defaults(func=run)
+
+
+@command("diagnose")
+def run(args) -> int:
+    view, _ = view_from_args(args)
+    d = diagnose(view)
+    if args.json:
+        emit_json(d.to_dict())
+    else:
+        print(summary(d))
+    return 0

@@ -1,0 +1,159 @@
+"""A recorded run: per-step truth in a JSON file, so ``diagnose``/``project``/``report`` work offline.
+
+Format ``syncwatch-run/1``::
+
+    {"format": "syncwatch-run/1", "job": "sim-healthy", "samples_per_step": 32,
+     "rank_node": ["node-00", "node-00", ...],          # node of each global rank
+     "steps": [{"t": 1700000000.0, "step": 1, "attempt": 0, "seconds": 1.17,
+                "waits": [0.16, 0.19, ...], "checkpoint": 0.0}, ...],   # t = step start (wall)
+     "restarts": [{"t": ..., "failed_step": 130, "resume_step": 101, "attempt": 1}],
+     "hardware": {"gpu_temperature_celsius": {"node-00": [[t, v], ...]}, ...}}   # optional
+
+A rank's compute time in a step is ``seconds - waits[i]`` (the step ends at the collective's
+release for every rank); its slack ``waits[i] - min(waits)``; the last arrival has the smallest wait.
+``from_ground_truth`` turns the simulator's ``GroundTruth`` into this format.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .common import AnalysisError
+from .view import JobView, windows
+
+FORMAT = "syncwatch-run/1"
+MIN_WINDOW_STEPS = 10  # a window holds at least this many steps: shares of last arrivals need a sample
+TRAILING = 100  # steps behind the daemon's step CV / autocorrelation gauges (window W)
+
+
+def from_ground_truth(truth, start_wall: float = 0.0, node_prefix: str = "sim-node-") -> dict:
+    """A simulator ``GroundTruth`` (with ``keep_steps``) as a ``syncwatch-run/1`` dict.
+
+    The simulator's virtual time starts at 0; ``start_wall`` places it on the wall clock.
+    """
+    p = truth.params
+    ckpt = 5  # PHASES index of "checkpoint"
+    return {
+        "format": FORMAT,
+        "job": truth.job,
+        "samples_per_step": p.samples_per_step,
+        "rank_node": [f"{node_prefix}{r // p.ranks_per_node:02d}" for r in range(p.world_size)],
+        "steps": [{"t": start_wall + s.start, "step": s.step, "attempt": s.attempt,
+                   "seconds": s.step_seconds, "waits": list(s.waits), "checkpoint": s.phases[0][ckpt]}
+                  for s in truth.steps],
+        "restarts": [{"t": start_wall + r.start, "failed_step": r.failed_step,
+                      "resume_step": r.resume_step, "attempt": r.attempt} for r in truth.restarts],
+    }
+
+
+def save(run: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(run, separators=(",", ":")))
+
+
+def load(path: str | Path) -> dict:
+    try:
+        run = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise AnalysisError(f"cannot read --input {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise AnalysisError(f"--input {path} is not JSON: {e}") from None
+    if not isinstance(run, dict) or run.get("format") != FORMAT:
+        raise AnalysisError(f"--input {path} is not a recorded run (expected \"format\": \"{FORMAT}\")")
+    world = len(run.get("rank_node") or [])
+    steps = run.get("steps") or []
+    if not world:
+        raise AnalysisError(f"--input {path}: rank_node lists no ranks")
+    for i, s in enumerate(steps):
+        try:
+            ok = len(s["waits"]) == world and s["seconds"] >= 0 and math.isfinite(s["t"])
+        except (KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise AnalysisError(f"--input {path}: step #{i} is malformed (needs t, seconds and {world} waits)")
+    return run
+
+
+def select(run: dict, start: float | None, end: float | None) -> list[dict]:
+    """The steps that ended inside [start, end] (all when not given)."""
+    lo = -math.inf if start is None else start
+    hi = math.inf if end is None else end
+    return [s for s in run["steps"] if lo <= s["t"] + s["seconds"] <= hi]
+
+
+def to_view(run: dict, source: str, start: float | None = None, end: float | None = None) -> JobView:
+    steps = select(run, start, end)
+    if not steps:
+        raise AnalysisError(f"{source}: no step of {run.get('job')!r} ends in the time range (empty range)")
+    t0 = steps[0]["t"] if start is None else start
+    t1 = steps[-1]["t"] + steps[-1]["seconds"] if end is None else end
+    mean_step = sum(s["seconds"] for s in steps) / len(steps)
+    width, times = windows(t0, t1 + 1e-9, MIN_WINDOW_STEPS * mean_step)
+    world = len(run["rank_node"])
+    n = len(times)
+    per_rank = {name: {r: [0.0] * n for r in range(world)}
+                for name in ("steps", "step_seconds", "sync_seconds", "checkpoint_seconds",
+                             "slack_seconds", "last_arrivals", "samples")}
+    spr = float(run.get("samples_per_step") or 0.0)
+    cv: list[float | None] = [None] * n
+    ac: list[float | None] = [None] * n
+    recent: list[float] = []
+    w = 0
+    for s in steps:
+        done = s["t"] + s["seconds"]
+        while w < n - 1 and done > times[w]:
+            w += 1
+        waits = s["waits"]
+        lo = min(waits)
+        for r, wait in enumerate(waits):
+            per_rank["steps"][r][w] += 1
+            per_rank["step_seconds"][r][w] += s["seconds"]
+            per_rank["sync_seconds"][r][w] += wait
+            per_rank["checkpoint_seconds"][r][w] += s.get("checkpoint", 0.0)
+            per_rank["slack_seconds"][r][w] += wait - lo
+            per_rank["samples"][r][w] += spr
+            if wait <= lo:
+                per_rank["last_arrivals"][r][w] += 1
+        recent.append(s["seconds"])
+        del recent[:-TRAILING]
+        cv[w], ac[w] = _cv(recent), _lag1(recent)
+    restarts = run.get("restarts") or []
+    rerun = []
+    for t in times:
+        past = [r for r in restarts if r["t"] <= t]
+        rerun.append(float(sum(r["failed_step"] - r["resume_step"] + 1 for r in past)))
+    hardware = {}
+    for name, rows in (run.get("hardware") or {}).items():
+        hardware[name] = {node: _window_mean(points, times, width) for node, points in rows.items()}
+    return JobView(
+        job=run.get("job", "recorded"), source=source, start=t0, end=t1, window=width, times=times,
+        rank_node=dict(enumerate(run["rank_node"])), per_rank=per_rank, cv=cv, autocorrelation=ac,
+        restarts=[float(sum(1 for r in restarts if r["t"] <= t)) for t in times], rerun_steps=rerun,
+        hardware=hardware, samples_per_rank_step=spr or None,
+        checkpoints=float(sum(1 for s in steps if s.get("checkpoint", 0.0) > 0)))
+
+
+def _window_mean(points, times, width) -> list[float | None]:
+    out = []
+    for t in times:
+        vals = [v for pt, v in points if t - width < pt <= t]
+        out.append(sum(vals) / len(vals) if vals else None)
+    return out
+
+
+def _cv(xs: list[float]) -> float | None:
+    if len(xs) < 2:
+        return None
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs)) / m if m > 0 else None
+
+
+def _lag1(xs: list[float]) -> float | None:
+    if len(xs) < 3:
+        return None
+    m = sum(xs) / len(xs)
+    den = sum((x - m) ** 2 for x in xs)
+    if den == 0:
+        return None
+    return sum((a - m) * (b - m) for a, b in zip(xs, xs[1:])) / den

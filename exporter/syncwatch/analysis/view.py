@@ -1,0 +1,235 @@
+"""``JobView``: one train job over a time range, cut into windows — what every command analyses.
+
+Two producers fill the same structure:
+
+* ``from_prometheus``: range queries against Prometheus' HTTP API (per-rank counter increases per
+  window, the job's gauges and counters, node hardware joined to nodes through ``instance``);
+* ``from_run``: a recorded simulator run (``recording``), where the same numbers are summed
+  exactly from per-step truth.
+
+Per window and rank it holds steps, step seconds, sync seconds, slack seconds, last arrivals and
+samples; per window the job's step CV, lag-1 autocorrelation, restarts and re-run steps; per window
+and node the hardware series present (temperature, thermal throttling, fabric congestion, bytes).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from .common import AnalysisError
+from .prom import Prometheus, label, quote
+
+COUNTERS = {  # view field -> (metric, extra selector)
+    "steps": ("syncwatch_steps_total", ""),
+    "step_seconds": ("syncwatch_step_seconds_total", ""),
+    "sync_seconds": ("syncwatch_phase_seconds_total", ',phase="sync"'),
+    "checkpoint_seconds": ("syncwatch_phase_seconds_total", ',phase="checkpoint"'),
+    "slack_seconds": ("syncwatch_slack_seconds_total", ""),
+    "last_arrivals": ("syncwatch_last_arrivals_total", ""),
+    "samples": ("syncwatch_samples_total", ""),
+}
+
+# hardware series per node: name -> (PromQL over one window of W seconds, aggregated by instance)
+HARDWARE = {
+    "gpu_temperature_celsius": "max by (instance) (syncwatch_gpu_temperature_celsius)",
+    "gpu_thermal_throttle": 'max by (instance) (syncwatch_gpu_throttle_active{reason=~".*thermal.*|hw_slowdown"})',
+    "gpu_sm_clock_hertz": "min by (instance) (syncwatch_gpu_sm_clock_hertz)",
+    "ib_xmit_wait_rate": "sum by (instance) (rate(syncwatch_ib_port_xmit_wait_total[{w}s]))",
+    "roce_congestion_rate": "sum by (instance) (rate(syncwatch_roce_cnp_handled_total[{w}s]) "
+                            "+ rate(syncwatch_roce_ecn_marked_total[{w}s]))",
+    "net_bytes_rate": "sum by (instance) (rate(syncwatch_nic_transmit_bytes_total[{w}s]))",
+    "ib_bytes_rate": "sum by (instance) (rate(syncwatch_ib_port_data_bytes_total[{w}s]))",
+}
+CONGESTION_SERIES = ("ib_xmit_wait_rate", "roce_congestion_rate")
+BYTES_SERIES = ("ib_bytes_rate", "net_bytes_rate")
+MAX_WINDOWS = 60
+
+
+@dataclass
+class JobView:
+    job: str
+    source: str
+    start: float
+    end: float
+    window: float
+    times: list[float]                                   # end of each window
+    rank_node: dict[int, str]
+    per_rank: dict[str, dict[int, list[float]]]          # COUNTERS field -> rank -> per window
+    cv: list[float | None]
+    autocorrelation: list[float | None]
+    restarts: list[float | None]                         # cumulative, per window
+    rerun_steps: list[float | None]
+    hardware: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
+    samples_per_rank_step: float | None = None
+    checkpoints: float | None = None                     # checkpoints written in the range
+
+    # ---- job-level sums
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.rank_node)
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted(set(self.rank_node.values()))
+
+    def total(self, name: str, rank: int | None = None) -> float:
+        rows = [self.per_rank[name].get(rank, [])] if rank is not None else self.per_rank[name].values()
+        return sum(v for row in rows for v in row if v is not None and math.isfinite(v))
+
+    def window_sum(self, name: str) -> list[float]:
+        out = [0.0] * len(self.times)
+        for row in self.per_rank[name].values():
+            for i, v in enumerate(row):
+                if v is not None and math.isfinite(v):
+                    out[i] += v
+        return out
+
+    def ratio_series(self, num: str, den: str) -> list[float | None]:
+        a, b = self.window_sum(num), self.window_sum(den)
+        return [x / y if y > 0 else None for x, y in zip(a, b)]
+
+    def mean_step_series(self) -> list[float | None]:
+        return self.ratio_series("step_seconds", "steps")
+
+    def sync_tax_series(self) -> list[float | None]:
+        return self.ratio_series("sync_seconds", "step_seconds")
+
+    def coupling_series(self) -> list[float | None]:
+        return self.ratio_series("slack_seconds", "step_seconds")
+
+    def collective_series(self) -> list[float | None]:
+        """Mean collective time per step: the wait not explained by slack (= the smallest wait)."""
+        sync, slack, steps = (self.window_sum(n) for n in ("sync_seconds", "slack_seconds", "steps"))
+        return [(a - b) / s if s > 0 else None for a, b, s in zip(sync, slack, steps)]
+
+    def has_exact(self) -> bool:
+        return self.total("last_arrivals") > 0
+
+    def node_last_arrivals(self) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {n: [0.0] * len(self.times) for n in self.nodes}
+        for rank, row in self.per_rank["last_arrivals"].items():
+            node = self.rank_node.get(rank)
+            if node is None:
+                continue
+            for i, v in enumerate(row):
+                if v is not None and math.isfinite(v):
+                    out[node][i] += v
+        return out
+
+    def steps_per_window(self) -> list[float]:
+        """Job steps per window (the mean over ranks of each rank's steps)."""
+        n = max(1, len(self.rank_node))
+        return [s / n for s in self.window_sum("steps")]
+
+
+# ---------------------------------------------------------------- time range
+
+_REL = re.compile(r"now(?:\s*-\s*(\d+(?:\.\d+)?)\s*([smhd]))?")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_time(text: str, now: float | None = None) -> float:
+    """``now``, ``now-2h``, unix seconds, or RFC 3339 (``2024-05-01T12:00:00Z``)."""
+    now = time.time() if now is None else now
+    t = str(text).strip()
+    m = _REL.fullmatch(t)
+    if m:
+        return now - (float(m.group(1)) * _UNITS[m.group(2)] if m.group(1) else 0.0)
+    try:
+        return float(t)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise AnalysisError(f"cannot read time {text!r} (now, now-2h, unix seconds or RFC 3339)") from None
+
+
+def windows(start: float, end: float, min_window: float) -> tuple[float, list[float]]:
+    """(window seconds, window end times): at most ``MAX_WINDOWS`` windows of at least ``min_window``."""
+    if end <= start:
+        raise AnalysisError(f"empty time range: end {end:.0f} is not after start {start:.0f}")
+    width = max(min_window, (end - start) / MAX_WINDOWS)
+    n = max(1, int((end - start) // width))
+    width = (end - start) / n
+    return width, [start + width * (i + 1) for i in range(n)]
+
+
+# ---------------------------------------------------------------- from Prometheus
+
+def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
+                    min_window: float = 15.0) -> JobView:
+    width, times = windows(start, end, min_window)
+    # PromQL durations are whole units: windows of whole milliseconds
+    width = max(1, round(width * 1000)) / 1000
+    times = [start + width * (i + 1) for i in range(len(times))]
+    span = end - start
+    sel = f"train_job={quote(job)}"
+    info = prom.query(f"max by (rank, node, instance) (max_over_time(syncwatch_rank_info{{{sel}}}[{span:.0f}s]))", end)
+    if not info:
+        known = prom.query(f"group by (train_job) (max_over_time(syncwatch_rank_info[{span:.0f}s]))", end)
+        names = sorted(filter(None, (label(k, "train_job") for k in known)))
+        hint = f"; train jobs in range: {', '.join(names)}" if names else "; no train job reported in range"
+        raise AnalysisError(f"unknown train job {job!r} between {_fmt(start)} and {_fmt(end)}{hint}")
+    rank_node, instance_node = {}, {}
+    for key in info:
+        r, node, inst = label(key, "rank"), label(key, "node"), label(key, "instance")
+        if r is not None and node is not None:
+            rank_node[int(r)] = node
+            if inst:
+                instance_node[inst] = node
+
+    w = f"{round(width * 1000)}ms"
+
+    def per_window(expr: str) -> dict:
+        return prom.query_range(expr, times[0], times[-1], width)
+
+    def align(points: list[tuple[float, float]]) -> list[float | None]:
+        by_t = {round(t, 3): v for t, v in points}
+        return [_finite(by_t.get(round(t, 3))) for t in times]
+
+    per_rank: dict[str, dict[int, list[float | None]]] = {}
+    for name, (metric, extra) in COUNTERS.items():
+        res = per_window(f"sum by (rank) (increase({metric}{{{sel}{extra}}}[{w}]))")
+        per_rank[name] = {int(label(k, "rank")): align(v) for k, v in res.items() if label(k, "rank") is not None}
+    if sum(v for row in per_rank["steps"].values() for v in row if v) <= 0:
+        raise AnalysisError(f"train job {job!r} completed no steps between {_fmt(start)} and {_fmt(end)} "
+                            "(empty range)")
+
+    def job_series(expr: str) -> list[float | None]:
+        res = per_window(expr)
+        return align(next(iter(res.values()))) if res else [None] * len(times)
+
+    hardware: dict[str, dict[str, list[float | None]]] = {}
+    for name, expr in HARDWARE.items():
+        res = per_window(expr.replace("{w}s", w))
+        rows: dict[str, list[float | None]] = {}
+        for k, v in res.items():
+            node = instance_node.get(label(k, "instance") or "")
+            if node is not None:
+                rows[node] = align(v)
+        if rows:
+            hardware[name] = rows
+    samples = prom.scalar(f"sum(increase(syncwatch_samples_total{{{sel}}}[{span:.0f}s])) / "
+                          f"sum(increase(syncwatch_steps_total{{{sel}}}[{span:.0f}s]))", end)
+    checkpoints = prom.scalar(f"max(increase(syncwatch_checkpoints_total{{{sel}}}[{span:.0f}s]))", end)
+    return JobView(
+        job=job, source=prom.url, start=start, end=end, window=width, times=times,
+        rank_node=rank_node, per_rank=per_rank,
+        cv=job_series(f"avg(syncwatch_step_cv{{{sel}}})"),
+        autocorrelation=job_series(f"avg(syncwatch_step_autocorrelation{{{sel}}})"),
+        restarts=job_series(f"max(syncwatch_job_restarts_total{{{sel}}})"),
+        rerun_steps=job_series(f"max(syncwatch_job_rerun_steps_total{{{sel}}})"),
+        hardware=hardware, samples_per_rank_step=samples, checkpoints=checkpoints)
+
+
+def _finite(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None
+
+
+def _fmt(t: float) -> str:
+    return datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")

@@ -1,0 +1,137 @@
+"""``syncwatch demo``: a simulated cluster feeding real daemons, one per simulated node.
+
+Starts one in-process daemon per node on ``--listen-host`` ports ``--base-port``, +1, ... (0 = any
+free port), each with its own ingest socket in ``--socket-dir`` (a temporary directory by
+default), runs the chosen scenario in real time, prints where to scrape and a summary line every
+``--summary-every`` seconds until Ctrl-C or ``--duration``. ``--scenario scaling`` prints the
+model's step-CV-vs-nodes sweep beside the seed paper's table instead (no daemons).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+from ..cli import add_flag
+from .driver import GroundTruth, node_name
+from .model import format_sweep, scaling_sweep
+from .scenarios import SCENARIOS, ScenarioThread
+
+NODE_PREFIX = "sim-node-"
+
+
+def _flag(parser, flag: str, **kw) -> None:
+    """``add_flag`` with a SYNCWATCH_DEMO_* twin: ``SYNCWATCH_NODES`` or ``SYNCWATCH_DURATION`` set
+    for another subcommand must not change the demo."""
+    add_flag(parser, flag, env="SYNCWATCH_DEMO_" + flag.lstrip("-").replace("-", "_").upper(), **kw)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "demo", help="run a simulated cluster against real daemons (one per simulated node)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _flag(p, "--scenario", choices=SCENARIOS + ("scaling",), default="straggler",
+             help="what to simulate; 'scaling' prints the CV-vs-nodes sweep and exits")
+    _flag(p, "--nodes", type=int, default=4, help="simulated nodes (one daemon each)")
+    _flag(p, "--ranks-per-node", type=int, default=8, help="ranks (GPUs) per node")
+    _flag(p, "--base-port", type=int, default=9477,
+             help="daemon of node n listens on base-port + n (0 = pick free ports)")
+    _flag(p, "--listen-host", default="127.0.0.1", help="address the daemons listen on")
+    _flag(p, "--socket-dir", default="", help="directory for the ingest sockets (empty = a temporary one)")
+    _flag(p, "--duration", type=float, default=0.0, help="seconds to run (0 = until Ctrl-C)")
+    _flag(p, "--step-time", type=float, default=0.5, help="mean compute time of one step, seconds")
+    _flag(p, "--seed", type=int, default=0, help="random seed of the simulation")
+    _flag(p, "--job", default="", help="train_job label (empty = sim-SCENARIO)")
+    _flag(p, "--summary-every", type=float, default=5.0, help="seconds between summary lines")
+    p.set_defaults(func=main)
+
+
+def summary(truth: GroundTruth, elapsed: float, window: int = 100) -> str:
+    """One line: progress, step rate, CV, skew, and who arrived last most often lately."""
+    n = min(window, len(truth.recent_step_seconds))
+    if n == 0:
+        return f"[{elapsed:6.1f}s] waiting for the first step"
+    recent = list(truth.recent_step_seconds)[-n:]
+    skews = list(truth.recent_skew)[-n:]
+    rank, count = truth.top_straggler(last=n)
+    R = truth.params.ranks_per_node
+    return (f"[{elapsed:6.1f}s] step {truth.last_step} attempt {truth.attempt}  "
+            f"{truth.executed_steps / max(elapsed, 1e-9):.2f} steps/s  "
+            f"step {sum(recent) / n:.3f}s  CV {truth.cv(window):.3f}  "
+            f"skew mean {sum(skews) / n * 1e3:.1f} ms max {max(skews) * 1e3:.1f} ms  "
+            f"last arrival: rank {rank} ({node_name(NODE_PREFIX, rank // R)}) "
+            f"{count / n:.0%} of the last {n} steps")
+
+
+def main(args) -> int:
+    if args.scenario == "scaling":
+        print("Step-time CV against cluster size (model only, 8 ranks per node unless "
+              "--ranks-per-node), beside the seed paper's baseline:")
+        print(format_sweep(scaling_sweep(ranks_per_node=args.ranks_per_node, seed=args.seed)))
+        return 0
+    if args.nodes < 1 or args.ranks_per_node < 1 or args.step_time <= 0:
+        print("syncwatch demo: --nodes, --ranks-per-node and --step-time must be positive",
+              file=sys.stderr)
+        return 2
+    from ..daemon.app import DaemonThread
+    from ..daemon.config import DaemonConfig
+
+    own_dir = not args.socket_dir
+    sock_dir = tempfile.mkdtemp(prefix="syncwatch-demo-") if own_dir else args.socket_dir
+    daemons: list = []
+    thread = None
+    try:
+        for n in range(args.nodes):
+            port = args.base_port + n if args.base_port else 0
+            config = DaemonConfig(listen=f"{args.listen_host}:{port}",
+                                  socket=os.path.join(sock_dir, f"node{n:02d}.sock"),
+                                  node=node_name(NODE_PREFIX, n))
+            d = DaemonThread(config)
+            try:
+                d.start()
+            except OSError as e:
+                print(f"syncwatch demo: cannot start the daemon of node {n} on "
+                      f"{config.listen}: {e} (try another --base-port, or 0)", file=sys.stderr)
+                return 2
+            daemons.append(d)
+        print(f"syncwatch demo: scenario {args.scenario}, {args.nodes} nodes x "
+              f"{args.ranks_per_node} ranks, step time ~{args.step_time}s, seed {args.seed}")
+        for n, d in enumerate(daemons):
+            print(f"  {node_name(NODE_PREFIX, n)}: scrape {d.url}/metrics  (ingest {d.socket_path})")
+        print("Ctrl-C stops." if not args.duration else f"Running for {args.duration:g} s.",
+              flush=True)
+        thread = ScenarioThread(args.scenario, [{"socket": d.socket_path} for d in daemons],
+                                args.nodes, args.ranks_per_node, seed=args.seed,
+                                job=args.job or None, params={"compute_seconds": args.step_time},
+                                node_prefix=NODE_PREFIX)
+        t0 = time.monotonic()
+        thread.start()
+        next_summary = args.summary_every
+        while thread.is_alive():
+            elapsed = time.monotonic() - t0
+            if args.duration and elapsed >= args.duration:
+                break
+            if elapsed >= next_summary:
+                print(summary(thread.truth, elapsed), flush=True)
+                next_summary += args.summary_every
+            time.sleep(0.1)
+        if thread.error is not None:
+            print(f"syncwatch demo: the simulation failed: {thread.error!r}", file=sys.stderr)
+            return 1
+        print(summary(thread.truth, time.monotonic() - t0), flush=True)
+        return 0
+    except KeyboardInterrupt:
+        if thread is not None:
+            print("\n" + summary(thread.truth, time.monotonic() - t0), flush=True)
+        return 0
+    finally:
+        if thread is not None:
+            thread.stop()
+        for d in daemons:
+            d.stop()
+        if own_dir:
+            shutil.rmtree(sock_dir, ignore_errors=True)

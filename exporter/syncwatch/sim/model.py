@@ -1,0 +1,271 @@
+"""A synchronous data-parallel cluster, step by step, with its exact ground truth.
+
+Pure Python, one seeded ``random.Random``: the same parameters and seed give the same run.
+
+Every step, every rank computes its phases (data, forward, backward, optimizer, and checkpoint
+every ``checkpoint_every`` steps) and then enters the gradient collective:
+
+    arrival_i   = sum of rank i's compute phases (all ranks start the step together)
+    release     = max_i arrival_i + collective time (x congestion factor during an episode)
+    wait_i      = release - arrival_i          (rank i's ``sync`` phase)
+    step time   = release                      (the same for every rank)
+    slack_i     = wait_i - min_j wait_j,  skew = max_i slack_i,  last arrival = argmin_j wait_j
+
+A rank's compute time is ``compute_seconds`` x (1 + Gaussian jitter) x its persistent-straggler,
+thermal and oscillation factors, plus a rare heavy-tailed stall (Pareto, capped). Fabric congestion
+episodes inflate the collective time; their chance per step grows with nodes² (pairwise flow
+collisions on an oversubscribed fabric). Restarts fail the job after chosen steps and resume from
+the last checkpoint with a new attempt: step numbers go back and the steps since the checkpoint
+are re-run. See docs/simulator.md for why each effect is there and how the defaults were fitted.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, replace
+
+from ..protocol import PHASES
+
+COMPUTE_PHASES = ("data", "forward", "backward", "optimizer")
+I_DATA, I_SYNC, I_CKPT = PHASES.index("data"), PHASES.index("sync"), PHASES.index("checkpoint")
+
+
+@dataclass(frozen=True)
+class Params:
+    """Everything the model needs. Defaults: the calibrated healthy cluster (docs/simulator.md)."""
+    nodes: int = 4
+    ranks_per_node: int = 8
+    compute_seconds: float = 1.0            # mean compute time of one rank's step (all phases)
+    phase_split: tuple[float, ...] = (0.05, 0.30, 0.55, 0.10)  # data, forward, backward, optimizer
+    collective_seconds: float = 0.15        # gradient all-reduce once the last rank arrived
+    jitter: float = 0.015                   # Gaussian sigma of compute, relative, per rank and step
+    stall_probability: float = 2e-4         # chance per rank and step of a heavy-tailed stall
+    stall_seconds: float = 0.02             # Pareto scale (the smallest stall), x compute_seconds
+    stall_alpha: float = 1.5                # Pareto tail index (smaller = heavier)
+    stall_cap: float = 1.0                  # longest stall, x compute_seconds
+    congestion_rate: float = 7e-5           # chance per step of a congestion episode = rate x nodes²
+    congestion_max: float = 0.25            # ... capped here
+    congestion_factor: float = 6.0          # collective time x this during an episode (+5x)
+    congestion_steps: int = 1               # steps an episode lasts
+    congestion_every: int = 0               # forced episodes every this many steps (0 = none)
+    straggler_rank: int = -1                # persistent straggler (-1 = none) ...
+    straggler_slowdown: float = 0.0         # ... slowed by this fraction ...
+    straggler_from_step: int = 0            # ... from this step on
+    thermal_amplitude: float = 0.0          # per-node slow sinusoid on compute, relative amplitude
+    thermal_period_steps: int = 400         # its period in steps (each node its own phase)
+    oscillation: float = 0.0                # compute x (1 + a) on odd steps, x (1 - a) on even
+    checkpoint_every: int = 0               # checkpoint phase every this many steps (0 = never)
+    checkpoint_seconds: float = 0.0         # its duration on every rank, x compute_seconds
+    fail_after: tuple[int, ...] = ()        # fail after this many executed steps (each), resume
+    restart_seconds: float = 5.0            # time from a failure to the first step of the new attempt
+    samples_per_step: float = 32.0          # samples per rank per step
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.ranks_per_node < 1:
+            raise ValueError("nodes and ranks_per_node must be at least 1")
+        if len(self.phase_split) != len(COMPUTE_PHASES) or abs(sum(self.phase_split) - 1) > 1e-9:
+            raise ValueError("phase_split must be 4 fractions summing to 1")
+        if self.fail_after and not self.checkpoint_every:
+            raise ValueError("restarts need checkpoint_every > 0 to resume from")
+        if self.straggler_rank >= self.world_size:
+            raise ValueError(f"straggler_rank {self.straggler_rank} >= world size {self.world_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def with_(self, **changes) -> "Params":
+        return replace(self, **changes)
+
+
+@dataclass(slots=True)
+class StepTruth:
+    """One executed step, exactly. ``phases[i]`` is rank i's 7 phase durations (``PHASES`` order)."""
+    step: int                      # the job's step number (goes back after a restart)
+    attempt: int
+    start: float                   # virtual time the step started (all ranks)
+    step_seconds: float
+    waits: tuple[float, ...]
+    phases: list[tuple[float, ...]]
+    congested: bool
+
+    @property
+    def min_wait(self) -> float:
+        return min(self.waits)
+
+    @property
+    def skew(self) -> float:
+        return max(self.waits) - min(self.waits)
+
+    @property
+    def slack(self) -> tuple[float, ...]:
+        lo = self.min_wait
+        return tuple(w - lo for w in self.waits)
+
+    @property
+    def last_arrivals(self) -> tuple[int, ...]:
+        """Ranks with the smallest wait (ties count for each, as ``skew.derive`` counts them)."""
+        lo = self.min_wait
+        return tuple(i for i, w in enumerate(self.waits) if w <= lo)
+
+
+@dataclass(slots=True)
+class Restart:
+    """The job failed after ``failed_step``; the next attempt resumes at ``resume_step``."""
+    failed_step: int
+    resume_step: int
+    attempt: int                   # the new attempt
+    start: float                   # virtual time the new attempt's first step starts
+
+    @property
+    def rerun_steps(self) -> int:
+        return self.failed_step - self.resume_step + 1
+
+
+class Model:
+    """Generates ``StepTruth`` (and ``Restart`` events) for one train job.
+
+    ``next()`` returns the next event; virtual time advances by each step's time (and a restart's
+    downtime). The model keeps no history: collect what you need from the events.
+    """
+
+    def __init__(self, params: Params, seed: int = 0):
+        self.p = params
+        self.rng = random.Random(seed)
+        self.time = 0.0
+        self.step = 0                  # last completed step number
+        self.executed = 0              # steps executed, re-runs included
+        self.attempt = 0
+        self._congested_left = 0
+        self._fail_after = sorted(params.fail_after)
+        n = params.nodes
+        self._node_phase = [self.rng.uniform(0, 2 * math.pi) for _ in range(n)]
+
+    def congestion_probability(self) -> float:
+        return min(self.p.congestion_max, self.p.congestion_rate * self.p.nodes ** 2)
+
+    def _stall(self) -> float:
+        p = self.p
+        # Pareto(alpha) scaled to stall_seconds: inverse CDF of a uniform draw, capped.
+        x = p.stall_seconds / (1.0 - self.rng.random()) ** (1.0 / p.stall_alpha)
+        return min(x, p.stall_cap) * p.compute_seconds
+
+    def next(self) -> StepTruth | Restart:
+        p = self.p
+        if self._fail_after and self.executed >= self._fail_after[0]:
+            self._fail_after.pop(0)
+            resume = self.step - self.step % p.checkpoint_every + 1
+            self.attempt += 1
+            self.time += p.restart_seconds * p.compute_seconds
+            event = Restart(self.step, resume, self.attempt, self.time)
+            self.step = resume - 1
+            return event
+        return self._next_step()
+
+    def _next_step(self) -> StepTruth:
+        p, rng = self.p, self.rng
+        step = self.step + 1
+        R = p.ranks_per_node
+        if p.thermal_amplitude:
+            w = 2 * math.pi * step / p.thermal_period_steps
+            node_factor = [1.0 + p.thermal_amplitude * math.sin(w + ph) for ph in self._node_phase]
+        else:
+            node_factor = [1.0] * p.nodes
+        osc = 1.0 + (p.oscillation if step % 2 else -p.oscillation)
+        straggling = p.straggler_rank >= 0 and step >= p.straggler_from_step
+        ckpt = (p.checkpoint_seconds * p.compute_seconds
+                if p.checkpoint_every and step % p.checkpoint_every == 0 else 0.0)
+        split = [f * p.compute_seconds for f in p.phase_split]
+        gauss, rand = rng.gauss, rng.random
+        phases, arrivals = [], []
+        for i in range(p.world_size):
+            factor = osc * node_factor[i // R] * max(0.5, 1.0 + p.jitter * gauss(0.0, 1.0))
+            if straggling and i == p.straggler_rank:
+                factor *= 1.0 + p.straggler_slowdown
+            comp = [s * factor for s in split]
+            if rand() < p.stall_probability:
+                comp[0] += self._stall()      # a stall lands in data loading (GC, I/O, page faults)
+            phases.append(comp)
+            arrivals.append(sum(comp) + ckpt)
+        if self._congested_left == 0 and (
+                (p.congestion_every and step % p.congestion_every == 0)
+                or rand() < self.congestion_probability()):
+            self._congested_left = p.congestion_steps
+        congested = self._congested_left > 0
+        if congested:
+            self._congested_left -= 1
+        collective = p.collective_seconds * p.compute_seconds * (p.congestion_factor if congested else 1.0)
+        release = max(arrivals) + collective
+        waits = tuple(release - a for a in arrivals)
+        full = [(c[0], c[1], c[2], c[3], w, ckpt, 0.0) for c, w in zip(phases, waits)]
+        truth = StepTruth(step, self.attempt, self.time, release, waits, full, congested)
+        self.time += release
+        self.step = step
+        self.executed += 1
+        return truth
+
+
+def step_cv(step_seconds) -> float:
+    """Coefficient of variation (population standard deviation / mean) of step times."""
+    xs = list(step_seconds)
+    if len(xs) < 2:
+        return 0.0
+    mean = sum(xs) / len(xs)
+    var = sum((x - mean) ** 2 for x in xs) / len(xs)
+    return math.sqrt(var) / mean if mean > 0 else 0.0
+
+
+def lag1_autocorrelation(step_seconds) -> float:
+    xs = list(step_seconds)
+    if len(xs) < 3:
+        return 0.0
+    mean = sum(xs) / len(xs)
+    den = sum((x - mean) ** 2 for x in xs)
+    if den == 0:
+        return 0.0
+    return sum((a - mean) * (b - mean) for a, b in zip(xs, xs[1:])) / den
+
+
+@dataclass
+class SweepRow:
+    nodes: int
+    ranks: int
+    steps: int
+    cv: float
+    paper_cv: float | None
+
+
+PAPER_CV = {4: 0.02, 8: 0.04, 16: 0.09, 32: 0.15, 64: 0.22}  # seed paper, 8 GPUs per node
+
+
+def scaling_sweep(node_counts=(4, 8, 16, 32, 64), ranks_per_node: int = 8, seed: int = 0,
+                  rank_steps: int = 300_000, min_steps: int = 1500,
+                  params: Params | None = None) -> list[SweepRow]:
+    """Step-time CV of the default (or given) model at each node count.
+
+    Each cluster size runs ``max(min_steps, rank_steps / ranks)`` steps: small clusters get more
+    steps because their CV comes from rare events and needs many steps to estimate.
+    """
+    base = params or Params()
+    rows = []
+    for n in node_counts:
+        p = base.with_(nodes=n, ranks_per_node=ranks_per_node, fail_after=())
+        steps = max(min_steps, rank_steps // p.world_size)
+        model = Model(p, seed=seed + n)
+        times = [model._next_step().step_seconds for _ in range(steps)]
+        rows.append(SweepRow(n, p.world_size, steps, step_cv(times), PAPER_CV.get(n)))
+    return rows
+
+
+def format_sweep(rows: list[SweepRow]) -> str:
+    lines = ["nodes  ranks  steps   step CV   paper CV",
+             "-----  -----  -----  --------  --------"]
+    for r in rows:
+        paper = f"{r.paper_cv:8.3f}" if r.paper_cv is not None else "       -"
+        lines.append(f"{r.nodes:5d}  {r.ranks:5d}  {r.steps:5d}  {r.cv:8.3f}  {paper}")
+    return "\n".join(lines)
+
+
+__all__ = ["Params", "Model", "StepTruth", "Restart", "step_cv", "lag1_autocorrelation",
+           "scaling_sweep", "format_sweep", "PAPER_CV", "SweepRow"]

@@ -1,0 +1,112 @@
+"""``syncwatch diagnose`` on recorded simulator runs (offline): each scenario is its own failure mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from analysis_helpers import run_cli
+from syncwatch.analysis import recording
+from syncwatch.analysis.diagnose import diagnose
+
+sim = pytest.importorskip("syncwatch.sim.scenarios", reason="the simulator (syncwatch.sim) is not in this checkout")
+
+EXPECTED = {"healthy": set(), "straggler": {"straggler_persistent"}, "oscillation": {"oscillation"},
+            "congestion": {"fabric_contention"}, "thermal": {"thermal_coupling"},
+            "restarts": {"checkpoint_restart"}}
+START = 1.7e9
+
+
+def recorded(name: str, seed: int = 0, **params) -> dict:
+    truth = sim.run_scenario(name, nodes=4, ranks_per_node=8, seed=seed, params=params or None)
+    return recording.from_ground_truth(truth, start_wall=START)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_scenario_is_diagnosed_as_its_own_failure_mode(name, seed):
+    d = diagnose(recording.to_view(recorded(name, seed), "test"))
+    assert {f.mode for f in d.findings} == EXPECTED[name], [f.title for f in d.findings]
+    assert d.healthy == (name == "healthy")
+
+
+def test_persistent_straggler_names_rank_and_node():
+    d = diagnose(recording.to_view(recorded("straggler"), "test"))
+    (f,) = d.findings
+    rank = sim.straggler_rank(32)
+    assert f.subject == {"rank": rank, "node": "sim-node-00"}
+    assert f"rank {rank}" in f.title and f.confidence >= 0.8
+    assert any("cordon node sim-node-00" in o for o in f.options)
+    assert any(e["series"].startswith("syncwatch_last_arrivals_total") for e in f.evidence)
+
+
+def test_straggler_on_a_throttling_node_is_also_thermal_with_high_confidence():
+    run = recorded("straggler")
+    ts = [s["t"] for s in run["steps"]]
+    run["hardware"] = {
+        "gpu_temperature_celsius": {f"sim-node-{n:02d}": [[t, 88.0 if n == 0 else 70.0] for t in ts] for n in range(4)},
+        "gpu_thermal_throttle": {f"sim-node-{n:02d}": [[t, 1.0 if n == 0 else 0.0] for t in ts] for n in range(4)},
+    }
+    d = diagnose(recording.to_view(run, "test"))
+    modes = {f.mode: f for f in d.findings}
+    assert set(modes) == {"straggler_persistent", "thermal_coupling"}
+    thermal = modes["thermal_coupling"]
+    assert thermal.confidence >= 0.9 and thermal.subject == {"node": "sim-node-00"}
+    assert any("18.0 °C hotter" in e["reading"] for e in thermal.evidence)
+
+
+def test_congestion_counters_following_the_collective_raise_confidence():
+    run = recorded("congestion")
+    # IB transmit waits high exactly in the congested steps (collective well above its baseline)
+    base = min(min(s["waits"]) for s in run["steps"])
+    points = [[s["t"] + s["seconds"], 1e6 if min(s["waits"]) > 2 * base else 1e3] for s in run["steps"]]
+    run["hardware"] = {"ib_xmit_wait_rate": {f"sim-node-{n:02d}": points for n in range(4)}}
+    (f,) = diagnose(recording.to_view(run, "test")).findings
+    assert f.mode == "fabric_contention" and f.confidence >= 0.9
+    assert any("correlation with collective time" in e["reading"] for e in f.evidence)
+
+
+def test_topology_mismatch_when_collective_grows_without_bytes_or_congestion():
+    run = recorded("healthy")
+    half = len(run["steps"]) // 2
+    for s in run["steps"][half:]:  # second half: every wait +60 ms (collective slower), same bytes
+        s["waits"] = [w + 0.06 for w in s["waits"]]
+        s["seconds"] += 0.06
+    points = [[s["t"], 5e9] for s in run["steps"]]
+    run["hardware"] = {"net_bytes_rate": {f"sim-node-{n:02d}": points for n in range(4)}}
+    modes = [f.mode for f in diagnose(recording.to_view(run, "test")).findings]
+    assert "topology_mismatch" in modes
+
+
+def test_cli_offline_json_and_summary(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "run.json"
+    recording.save(recorded("restarts"), path)
+    code, out, err = run_cli(monkeypatch, capsys, ["diagnose", "--input", str(path), "--json"])
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["verdict"] == "1 structural problem(s) found"
+    assert data["findings"][0]["mode"] == "checkpoint_restart"
+    assert {"phenomenon", "evidence", "cause", "options", "confidence"} <= set(data["findings"][0])
+    recording.save(recorded("healthy"), path)
+    code, out, _ = run_cli(monkeypatch, capsys, ["diagnose", "--input", str(path)])
+    assert code == 0 and "no structural problem found" in out
+
+
+def test_cli_errors_exit_2(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "run.json"
+    recording.save(recorded("healthy"), path)
+    cases = [
+        (["--input", str(tmp_path / "nope.json")], "cannot read --input"),
+        (["--input", str(path), "--job", "other"], "unknown train job 'other'"),
+        (["--input", str(path), "--start", "100", "--end", "200"], "empty range"),
+        ([], "give --prometheus URL"),
+        (["--prometheus", "http://127.0.0.1:9", "--job", "x"], "Prometheus unreachable"),
+        (["--prometheus", "http://127.0.0.1:9"], "--job"),
+    ]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something-else"}')
+    cases.append((["--input", str(bad)], "is not a recorded run"))
+    for argv, message in cases:
+        code, out, err = run_cli(monkeypatch, capsys, ["diagnose", *argv])
+        assert code == 2 and message in err, (argv, err)

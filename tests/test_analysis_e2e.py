@@ -1,0 +1,143 @@
+"""End to end: simulator scenarios -> real daemons (UDP on loopback) -> a real Prometheus ->
+``syncwatch diagnose`` / ``project`` / ``report`` over the HTTP API.
+
+All six scenarios run at once, each its own train job, on the same four daemons, in real time
+scaled down (one simulated second = 25 ms) and scraped every 0.5 s by one Prometheus (module
+fixture), so the whole file takes ~25 s. The skew exchange runs every 10 steps (``exchange_every``)
+so that each 1.5 s analysis window (~50 steps) spans several exchanges: slack counters advance
+once per exchange, and a window shorter than a few exchange periods sees them lag the sync time.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from analysis_helpers import run_cli
+
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="needs the Debian package prometheus")
+daemon_app = pytest.importorskip("syncwatch.daemon.app", reason="the daemon (syncwatch.daemon) is not in this checkout")
+daemon_config = pytest.importorskip("syncwatch.daemon.config")
+scenarios = pytest.importorskip("syncwatch.sim.scenarios", reason="the simulator (syncwatch.sim) is not in this checkout")
+
+NODES, RANKS_PER_NODE = 4, 4
+TIME_SCALE = 0.025
+SCRAPE = 0.5
+EXPECTED = {"healthy": set(), "straggler": {"straggler_persistent"}, "oscillation": {"oscillation"},
+            "congestion": {"fabric_contention"}, "thermal": {"thermal_coupling"},
+            "restarts": {"checkpoint_restart"}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prometheus exited with {proc.returncode}: {proc.stderr.read()[-2000:]!r}")
+        try:
+            with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("prometheus not ready")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Run every scenario through real daemons into one real Prometheus; yield (url, {name: (start, end)})."""
+    d = tmp_path_factory.mktemp("e2e")
+    daemons = [daemon_app.DaemonThread(daemon_config.DaemonConfig(
+        listen="127.0.0.1:0", socket=None, udp="127.0.0.1:0", node=f"sim-node-{n:02d}")) for n in range(NODES)]
+    running = [x.start() for x in daemons]
+    port = free_port()
+    cfg = d / "prometheus.yml"
+    cfg.write_text(
+        f"global:\n  scrape_interval: {int(SCRAPE * 1000)}ms\n  scrape_timeout: {int(SCRAPE * 1000)}ms\n"
+        "scrape_configs:\n  - job_name: syncwatch\n    static_configs:\n"
+        f"      - targets: [{', '.join(repr(r.url.split('//')[1]) for r in running)}]\n")
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={d / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        time.sleep(2 * SCRAPE)
+        targets = [{"udp": r.udp_address} for r in running]
+        threads, ranges = {}, {}
+        for name in EXPECTED:
+            t = scenarios.ScenarioThread(name, targets, NODES, RANKS_PER_NODE,
+                                         steps=scenarios.DEFAULT_STEPS[name], job=f"e2e-{name}",
+                                         fast=False, time_scale=TIME_SCALE, seed=1, exchange_every=10)
+            ranges[name] = [time.time() - 1.0, None]
+            t.start()
+            threads[name] = t
+        for name, t in threads.items():
+            t.join(120)
+            assert not t.is_alive() and t.error is None, (name, t.error)
+            ranges[name][1] = time.time()
+        time.sleep(3 * SCRAPE)  # the last records reach a scrape
+        yield url, {k: (s, e + 2 * SCRAPE) for k, (s, e) in ranges.items()}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        for x in daemons:
+            x.stop()
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_scenario_diagnosed_through_prometheus(cluster, name, monkeypatch, capsys):
+    url, ranges = cluster
+    start, end = ranges[name]
+    code, out, err = run_cli(monkeypatch, capsys, [
+        "diagnose", "--prometheus", url, "--job", f"e2e-{name}", "--start", f"{start:.3f}",
+        "--end", f"{end:.3f}", "--window", "1.5", "--json"])
+    assert code == 0, err
+    d = json.loads(out)
+    assert {f["mode"] for f in d["findings"]} == EXPECTED[name], json.dumps(d["findings"], indent=1)[:3000]
+    assert d["ranks"] == NODES * RANKS_PER_NODE, d["scores"]
+    if name == "healthy":
+        assert d["verdict"] == "no structural problem found"
+
+
+def test_unknown_job_and_empty_range_exit_2(cluster, monkeypatch, capsys):
+    url, ranges = cluster
+    start, end = ranges["healthy"]
+    code, _, err = run_cli(monkeypatch, capsys, ["diagnose", "--prometheus", url, "--job", "nope",
+                                                 "--start", f"{start:.0f}", "--end", f"{end:.0f}"])
+    assert code == 2 and "unknown train job 'nope'" in err and "e2e-healthy" in err
+    code, _, err = run_cli(monkeypatch, capsys, ["diagnose", "--prometheus", url, "--job", "e2e-healthy",
+                                                 "--start", f"{end:.0f}", "--end", f"{start:.0f}"])
+    assert code == 2 and "empty time range" in err
+
+
+def test_project_and_report_from_prometheus(cluster, tmp_path, monkeypatch, capsys):
+    url, ranges = cluster
+    start, end = ranges["healthy"]
+    base = ["--prometheus", url, "--job", "e2e-healthy", "--start", f"{start:.3f}", "--end", f"{end:.3f}",
+            "--window", "1.5"]
+    code, out, err = run_cli(monkeypatch, capsys, ["project", *base, "--json"])
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["measured"]["method"].startswith("prometheus")
+    assert res["measured"]["ranks"] == NODES * RANKS_PER_NODE
+    # the model at the measured scale reproduces the measured mean step
+    assert res["model_at_measured"]["mean_step_seconds"] == pytest.approx(res["measured"]["mean_step"], rel=0.05)
+    assert res["projections"][-1]["mean_step_seconds"] > res["model_at_measured"]["mean_step_seconds"]
+    html = tmp_path / "r.html"
+    code, out, err = run_cli(monkeypatch, capsys, ["report", *base, "--output", str(html), "--json"])
+    assert code == 0, err
+    assert json.loads(out)["healthy"] and html.read_text().count("<svg") >= 8

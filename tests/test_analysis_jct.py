@@ -1,0 +1,248 @@
+"""``syncwatch jct``: the Hockney, Young/Daly and order-statistics models and the estimate."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from analysis_helpers import run_cli, run_json
+from syncwatch.analysis import checkpoint as ck
+from syncwatch.analysis.collectives import (hierarchical_allreduce_seconds, ring_allreduce_seconds,
+                                            transfer_seconds, tree_allreduce_seconds)
+from syncwatch.analysis.jct import JobSpec, estimate
+from syncwatch.analysis.orderstats import cdf_moments, expected_normal_max, normal_max_moments
+
+GBIT = 1e9 / 8
+DAY = 86400.0
+
+
+# ---- worked figures of the issue
+
+def test_137_gb_at_400_gbit_takes_about_27_ms():
+    t = transfer_seconds(1.37e9, 400 * GBIT)
+    assert t == pytest.approx(0.0274, abs=1e-4)
+    # a ring all-reduce between two GPUs moves exactly that: 2 (P-1) N / (P beta) = N / beta
+    assert ring_allreduce_seconds(1.37e9, 2, 400 * GBIT) == pytest.approx(t)
+
+
+def test_young_interval_30s_at_24h_is_about_2276s():
+    tau = ck.young_interval(30, DAY)
+    assert tau == pytest.approx(2276.8, abs=0.5)
+    assert tau / 60 == pytest.approx(38, abs=0.5)
+
+
+def test_young_interval_512s_at_24h_is_about_940s():
+    assert ck.young_interval(5.12, DAY) == pytest.approx(940.6, abs=0.5)
+
+
+def test_worked_figures_through_the_cli(monkeypatch, capsys):
+    out = run_json(monkeypatch, capsys, [
+        "jct", "--flops", "1e18", "--steps", "100", "--nodes", "2", "--gpus-per-node", "1",
+        "--sustained-tflops", "100", "--grad-bytes", "1.37G", "--net-gbits", "400",
+        "--net-latency-us", "0", "--checkpoint-seconds", "30", "--mtbf-hours", "24",
+        "--checkpoint-interval", "young"])["estimate"]
+    assert out["allreduce_inter_seconds"] == pytest.approx(0.0274, abs=1e-4)
+    assert out["checkpoint_interval_seconds"] == pytest.approx(2276.8, abs=0.5)
+    assert out["young_interval_seconds"] == pytest.approx(2276.8, abs=0.5)
+
+
+# ---- collective models
+
+def test_ring_bandwidth_term_tends_to_2n_over_beta_and_latency_grows_linearly():
+    n, beta = 1e9, 50e9
+    assert ring_allreduce_seconds(n, 4, beta) == pytest.approx(2 * 3 * n / (4 * beta))
+    assert ring_allreduce_seconds(n, 10_000, beta) == pytest.approx(2 * n / beta, rel=1e-3)
+    lat = ring_allreduce_seconds(0, 101, beta, 1e-5)
+    assert lat == pytest.approx(2 * 100 * 1e-5)
+    assert ring_allreduce_seconds(n, 1, beta, 1e-5) == 0.0
+
+
+def test_tree_pays_log_latency_but_moves_the_whole_message_per_level():
+    n, beta, alpha = 1e9, 50e9, 1e-5
+    assert tree_allreduce_seconds(n, 8, beta, alpha) == pytest.approx(2 * 3 * (alpha + n / beta))
+    assert tree_allreduce_seconds(n, 9, beta, alpha) == pytest.approx(2 * 4 * (alpha + n / beta))
+    # small message at large scale: tree wins; large message: ring wins
+    assert tree_allreduce_seconds(1e3, 4096, beta, alpha) < ring_allreduce_seconds(1e3, 4096, beta, alpha)
+    assert tree_allreduce_seconds(1e9, 4096, beta, alpha) > ring_allreduce_seconds(1e9, 4096, beta, alpha)
+
+
+def test_hierarchical_reduces_to_its_tiers():
+    kw = dict(intra_bandwidth=400e9, intra_latency=2e-6, inter_bandwidth=50e9, inter_latency=1e-5)
+    intra, inter = hierarchical_allreduce_seconds(1e9, 1, 16, **kw)
+    assert intra == 0 and inter == pytest.approx(ring_allreduce_seconds(1e9, 16, 50e9, 1e-5))
+    intra, inter = hierarchical_allreduce_seconds(1e9, 8, 1, **kw)
+    assert inter == 0 and intra == pytest.approx(ring_allreduce_seconds(1e9, 8, 400e9, 2e-6))
+    # 8 local ranks: each GPU sends only its 1/8 shard across the network
+    _, inter8 = hierarchical_allreduce_seconds(1e9, 8, 16, **kw)
+    assert inter8 == pytest.approx(ring_allreduce_seconds(1e9 / 8, 16, 50e9, 1e-5))
+
+
+# ---- checkpoint models
+
+def test_daly_refines_young_slightly_below_it_and_caps_at_mtbf():
+    young, daly = ck.young_interval(30, DAY), ck.daly_interval(30, DAY)
+    expected = math.sqrt(2 * 30 * DAY) * (1 + math.sqrt(30 / (2 * DAY)) / 3 + 30 / (18 * DAY)) - 30
+    assert daly == pytest.approx(expected)
+    assert 0.98 * young < daly < young
+    assert ck.daly_interval(3 * DAY, DAY) == DAY
+
+
+def test_daly_wall_time_matches_its_first_order_form_when_everything_is_small():
+    w, tau, d, r, m = 1e6, 2000.0, 30.0, 600.0, 1e7
+    first_order = w * (1 + d / tau) * (1 + (r + (tau + d) / 2) / m)
+    assert ck.daly_wall_seconds(w, tau, d, r, m) == pytest.approx(first_order, rel=1e-3)
+    assert ck.daly_wall_seconds(w, tau, d, r, None) == pytest.approx(w * (1 + d / tau))
+
+
+def test_optimal_interval_minimizes_daly_wall_time():
+    w, d, r, m = 1e6, 30.0, 600.0, DAY
+    best = ck.daly_interval(d, m)
+    t_best = ck.daly_wall_seconds(w, best, d, r, m)
+    for factor in (0.5, 0.8, 1.25, 2.0):
+        assert ck.daly_wall_seconds(w, best * factor, d, r, m) > t_best
+
+
+# ---- order statistics
+
+@pytest.mark.parametrize("n, value", [(2, 1 / math.sqrt(math.pi)), (8, 1.4236), (64, 2.3429),
+                                      (512, 3.0439), (4096, 3.6261), (16384, 3.9714)])
+def test_expected_maximum_of_normals(n, value):
+    assert expected_normal_max(n) == pytest.approx(value, abs=2e-3)
+
+
+def test_maximum_concentrates_as_n_grows():
+    sds = [normal_max_moments(n)[1] for n in (2, 8, 64, 512)]
+    assert sds == sorted(sds, reverse=True)
+
+
+def test_cdf_moments_of_uniform_and_of_its_maximum():
+    mean, sd = cdf_moments([(0.0, 0.0), (1.0, 1.0)])
+    assert mean == pytest.approx(0.5) and sd == pytest.approx(math.sqrt(1 / 12))
+    # max of 2 uniforms: F(t)^2, mean 2/3 (the CDF is sampled finely enough for the linear model)
+    pts = [(i / 200, (i / 200) ** 2) for i in range(201)]
+    assert cdf_moments(pts)[0] == pytest.approx(2 / 3, abs=1e-4)
+
+
+# ---- the estimate
+
+BASE = dict(nodes=16, gpus_per_node=8, sustained_tflops=400.0, params=7e9, tokens=1e12,
+            batch_tokens=4096 * 1024, t_drain=0, t_download=0, t_reinit=0, t_provision=0)
+
+
+def test_pure_compute_job_runs_at_its_theoretical_minimum():
+    e = estimate(JobSpec(**{**BASE, "nodes": 1, "gpus_per_node": 1}))
+    assert e.theoretical_min_seconds == pytest.approx(6 * 7e9 * 1e12 / 400e12)
+    assert e.predicted_seconds == pytest.approx(e.theoretical_min_seconds)
+    assert e.efficiency == pytest.approx(1.0)
+    assert e.reading.startswith("compute-bound")
+
+
+def test_pipeline_bubble_is_p_minus_1_over_m_and_accumulation_shrinks_it():
+    e = estimate(JobSpec(**BASE, pp=4, microbatches=16))
+    assert e.bubble_seconds == pytest.approx(e.compute_seconds * 3 / 16)
+    more = estimate(JobSpec(**BASE, pp=4, microbatches=64))
+    assert more.bubble_seconds == pytest.approx(e.bubble_seconds / 4)
+    # gradient accumulation: one all-reduce per optimizer step, however many micro-batches
+    assert more.exposed_comm_seconds == pytest.approx(e.exposed_comm_seconds)
+
+
+def test_slow_network_reads_communication_bound_and_overlap_helps():
+    slow = estimate(JobSpec(**BASE, net_gbits=10))
+    assert slow.efficiency < 0.70 and slow.reading.startswith("communication-bound")
+    assert slow.largest_loss.startswith("exposed all-reduce")
+    hidden = estimate(JobSpec(**BASE, net_gbits=10, overlap=0.9))
+    assert hidden.exposed_comm_seconds == pytest.approx(0.1 * slow.exposed_comm_seconds)
+    assert hidden.efficiency > slow.efficiency
+
+
+def test_step_jitter_follows_the_slowest_of_all_gpus():
+    e = estimate(JobSpec(**BASE, jitter_cv=0.02))
+    assert e.jitter_seconds == pytest.approx(e.compute_seconds * 0.02 * expected_normal_max(128))
+
+
+def test_failures_and_checkpoints_cost_time_async_less_than_sync():
+    plain = estimate(JobSpec(**BASE))
+    sync = estimate(JobSpec(**{**BASE, "t_provision": 300}, checkpoint_seconds=30, mtbf_hours=24))
+    asyn = estimate(JobSpec(**{**BASE, "t_provision": 300}, checkpoint_seconds=30, checkpoint_mode="async",
+                            mtbf_hours=24))
+    assert plain.predicted_seconds < asyn.predicted_seconds < sync.predicted_seconds
+    assert sync.checkpoint_interval_seconds == pytest.approx(ck.daly_interval(30, DAY))
+    assert asyn.checkpoint_interval_seconds == pytest.approx(ck.daly_interval(3, DAY))
+    assert sync.expected_failures == pytest.approx(sync.predicted_seconds / DAY)
+    assert sync.restart_seconds == 300
+    assert asyn.restart_seconds == 300 + 27  # the background write is at risk
+
+
+def test_sync_wall_is_the_minimum_of_the_node_sweep():
+    spec = JobSpec(**{**BASE, "net_latency_us": 50.0, "mtbf_hours": 24.0, "t_provision": 600.0,
+                      "checkpoint_seconds": 60.0})
+    wall = estimate(spec).sync_wall
+    assert wall["reached"] and wall["limited_by"] == "minimum"
+    curve = {p["nodes"]: p["predicted_seconds"] for p in wall["curve"]}
+    assert min(curve, key=curve.get) == wall["nodes"]
+    larger = [n for n in curve if n > wall["nodes"]]
+    assert larger and all(curve[n] > wall["predicted_seconds"] for n in larger)
+    # a faster network moves the wall out
+    faster = estimate(JobSpec(**{**BASE, "net_latency_us": 5.0, "mtbf_hours": 24.0, "t_provision": 600.0,
+                                 "checkpoint_seconds": 60.0})).sync_wall
+    assert faster["nodes"] > wall["nodes"]
+
+
+def test_sync_wall_stops_where_the_global_batch_cannot_split_further():
+    e = estimate(JobSpec(**BASE, seq_len=4096, microbatches=8))
+    # 4 Mi tokens / 4096 = 1024 samples / 8 micro-batches = 128 replicas = 16 nodes of 8
+    assert e.sync_wall["curve"][-1]["nodes"] == 16
+    assert not e.sync_wall["reached"] and e.sync_wall["limited_by"] == "global batch"
+
+
+# ---- the command line
+
+def test_config_file_flags_and_environment_precedence(tmp_path, monkeypatch, capsys):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("params: 7G\ntokens: 1T\nbatch-tokens: 4M\nnodes: 16\nsustained_tflops: 400\n")
+    base = run_json(monkeypatch, capsys, ["jct", "--config", str(cfg)])
+    assert base["spec"]["nodes"] == 16 and base["spec"]["params"] == 7e9
+    flag = run_json(monkeypatch, capsys, ["jct", "--config", str(cfg), "--nodes", "32"])
+    assert flag["spec"]["nodes"] == 32
+    monkeypatch.setenv("SYNCWATCH_NODES", "8")
+    env = run_json(monkeypatch, capsys, ["jct", "--config", str(cfg)])
+    assert env["spec"]["nodes"] == 8
+    assert env["estimate"]["predicted_seconds"] == pytest.approx(2 * base["estimate"]["predicted_seconds"], rel=0.05)
+
+
+def test_summary_names_the_figures(monkeypatch, capsys):
+    code, out, _ = run_cli(monkeypatch, capsys, [
+        "jct", "--params", "70G", "--tokens", "2T", "--batch-tokens", "4M", "--nodes", "128",
+        "--sustained-tflops", "400", "--tp", "8", "--pp", "4", "--microbatches", "16",
+        "--checkpoint-seconds", "30", "--mtbf-hours", "24"])
+    assert code == 0
+    for words in ("theoretical minimum", "predicted wall-clock", "utilization efficiency",
+                  "TP 8 x PP 4 x DP 32", "checkpoints", "Young 37m 57s", "failures", "sync wall"):
+        assert words in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "4"], "--sustained-tflops is required"),
+    (["--nodes", "4", "--sustained-tflops", "100"], "give the work"),
+    (["--nodes", "4", "--sustained-tflops", "100", "--flops", "1e20"], "give the optimizer steps"),
+    (["--nodes", "3", "--sustained-tflops", "100", "--flops", "1e20", "--steps", "10", "--tp", "8",
+      "--pp", "1", "--gpus-per-node", "8", "--grad-bytes", "1G", "--tp", "3"], "must divide"),
+    (["--nodes", "4", "--sustained-tflops", "100", "--flops", "1e20", "--steps", "10",
+      "--grad-bytes", "1G", "--overlap", "2"], "--overlap"),
+    (["--nodes", "4", "--sustained-tflops", "100", "--flops", "1e20", "--steps", "10",
+      "--grad-bytes", "1G", "--checkpoint-interval", "often"], "--checkpoint-interval"),
+])
+def test_bad_input_exits_2_with_a_clear_message(monkeypatch, capsys, argv, message):
+    code, out, err = run_cli(monkeypatch, capsys, ["jct", *argv])
+    assert code == 2 and out == ""
+    assert message in err and err.startswith("syncwatch jct: error:")
+
+
+def test_bad_config_file_exits_2(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes: 4\nwarp_drive: 9\n")
+    code, _, err = run_cli(monkeypatch, capsys, ["jct", "--config", str(bad)])
+    assert code == 2 and "unknown key 'warp_drive'" in err
+    code, _, err = run_cli(monkeypatch, capsys, ["jct", "--config", str(tmp_path / "missing.yaml")])
+    assert code == 2 and "cannot read --config" in err

@@ -1,0 +1,99 @@
+"""``syncwatch report``: a self-contained HTML file, rendered in headless Chromium (Debian ``chromium``)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from analysis_helpers import run_cli
+from syncwatch.analysis import recording, svg
+from syncwatch.analysis.report import SECTIONS
+
+sim = pytest.importorskip("syncwatch.sim.scenarios", reason="the simulator (syncwatch.sim) is not in this checkout")
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs the Debian package chromium "
+                                                             "(apt-get install -y chromium)")
+
+# Appended to a copy of the report: measures what the browser laid out and writes it into the DOM.
+PROBE = """<script>
+const out = {sections: [...document.querySelectorAll('section')].map(s => ({
+  id: s.id, height: s.getBoundingClientRect().height,
+  svgs: [...s.querySelectorAll('svg')].map(g => {const r = g.getBoundingClientRect();
+    return {w: r.width, h: r.height, shapes: g.querySelectorAll('polyline,rect,circle').length};})}))};
+const pre = document.createElement('pre'); pre.id = 'probe'; pre.textContent = JSON.stringify(out);
+document.body.appendChild(pre);
+</script>"""
+
+
+def chromium(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run",
+         f"--user-data-dir={cwd / 'profile'}", *args],
+        capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def report_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("report")
+    run = recording.from_ground_truth(sim.run_scenario("straggler", nodes=4, ranks_per_node=8), start_wall=1.7e9)
+    run["hardware"] = {"gpu_temperature_celsius": {f"sim-node-{n:02d}": [[s["t"], 60.0 + n] for s in run["steps"]]
+                                                   for n in range(4)}}
+    recording.save(run, d / "run.json")
+    return d, d / "run.json"
+
+
+def test_report_cli_writes_self_contained_html(report_file, monkeypatch, capsys):
+    d, run = report_file
+    out = d / "report.html"
+    code, stdout, err = run_cli(monkeypatch, capsys, ["report", "--input", str(run), "--output", str(out), "--json"])
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert summary["findings"] == ["straggler_persistent"] and summary["projection"]
+    html = out.read_text()
+    for key in SECTIONS:
+        assert f'<section id="{key}">' in html
+    assert html.count("<svg") >= 8
+    # self-contained: nothing fetched from anywhere
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", html)
+    assert "<script" not in html and "@import" not in html
+    assert "Persistent straggler: rank 5 on sim-node-00" in html
+
+
+@needs_chromium
+def test_report_renders_its_sections_and_plots_in_headless_chromium(report_file, monkeypatch, capsys):
+    d, run = report_file
+    out = d / "report.html"
+    code, _, err = run_cli(monkeypatch, capsys, ["report", "--input", str(run), "--output", str(out)])
+    assert code == 0, err
+    probe = d / "probe.html"
+    probe.write_text(out.read_text().replace("</body>", PROBE + "</body>"))
+    res = chromium("--dump-dom", probe.as_uri(), cwd=d)
+    m = re.search(r'<pre id="probe">(.*?)</pre>', res.stdout, re.S)
+    assert m, res.stderr[-2000:]
+    laid_out = json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+    sections = {s["id"]: s for s in laid_out["sections"]}
+    assert set(sections) == set(SECTIONS)
+    for key, s in sections.items():
+        assert s["height"] > 50, key
+        assert s["svgs"] or key == "diagnosis", f"section {key} has no plot"
+        for g in s["svgs"]:
+            assert g["w"] >= 600 and g["h"] >= 50, (key, g)
+    assert sum(g["shapes"] for g in sections["straggler-map"]["svgs"]) > 100  # heatmap cells drawn
+    assert any(g["shapes"] for g in sections["hardware"]["svgs"])
+    # and a screenshot comes out of it (the page paints)
+    shot = d / "report.png"
+    chromium("--window-size=1000,2400", f"--screenshot={shot}", out.as_uri(), cwd=d)
+    assert shot.exists() and shot.stat().st_size > 20_000
+
+
+def test_svg_charts_handle_gaps_and_empty_data():
+    chart = svg.line_chart("t", [0, 60, 120, 180], {"a": [1.0, None, 2.0, 3.0]}, unit="s")
+    assert chart.count("<polyline") == 1 and chart.count("<circle") == 1
+    assert "no data in range" in svg.line_chart("t", [0, 1], {"a": [None, None]})
+    assert "&lt;b&gt;" in svg.line_chart("<b>", [0, 1], {"a": [1, 2]})

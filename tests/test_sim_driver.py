@@ -1,0 +1,179 @@
+"""The simulator's driver against plain receivers: what goes over the wire is what the truth says.
+
+Each node's receiver is a real Unix datagram socket read by a thread and decoded with the real
+``protocol.Decoder``, so these tests hold whatever daemon sits on the other end.
+"""
+
+import collections
+import os
+import socket
+import tempfile
+import threading
+import time
+
+import pytest
+
+from syncwatch.protocol import Decoder, EndRecord, HeartbeatRecord, StepRecord
+from syncwatch.sim.driver import Driver
+from syncwatch.sim.scenarios import ScenarioThread, run_scenario, scenario_params, straggler_rank
+
+START = 1_700_000_000.0
+
+
+class Receiver:
+    """Reads and decodes every datagram sent to one Unix socket (one simulated node's daemon)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.settimeout(0.05)
+        self.records = []
+        self.errors = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        decoder = Decoder()
+        while not self._stop:
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            try:
+                self.records.append(decoder.decode(data))
+            except Exception as e:  # a test failure, reported by the test
+                self.errors.append(e)
+
+    def wait_for(self, n: int, timeout: float = 10.0):
+        end = time.monotonic() + timeout
+        while len(self.records) < n and time.monotonic() < end:
+            time.sleep(0.01)
+
+    def close(self):
+        self._stop = True
+        self._thread.join()
+        self.sock.close()
+
+
+@pytest.fixture
+def receivers():
+    made = []
+    d = tempfile.mkdtemp(prefix="sw-sim-")
+
+    def make(n):
+        for i in range(n):
+            made.append(Receiver(os.path.join(d, f"node{i}.sock")))
+        return made
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def by_kind(receivers, kind):
+    return [rec for r in receivers for rec in r.records if isinstance(rec, kind)]
+
+
+def test_fast_run_delivers_every_record_and_exact_totals(receivers):
+    rx = receivers(3)
+    truth = run_scenario("straggler", nodes=3, ranks_per_node=4, steps=120,
+                         sockets=[r.path for r in rx], start_wall=START, exchange_every=50)
+    for r in rx:
+        r.wait_for(truth.records_sent // 3)
+    assert truth.dropped == 0
+    assert not any(r.errors for r in rx)
+    steps = by_kind(rx, StepRecord)
+    assert len(steps) == truth.step_records == 120 * 12
+    assert len(by_kind(rx, HeartbeatRecord)) == truth.heartbeat_records > 0
+    assert len(by_kind(rx, EndRecord)) == truth.end_records == 12
+    # each node's receiver got exactly its own ranks
+    for n, r in enumerate(rx):
+        assert {rec.identity.node for rec in r.records} == {f"sim-node-{n:02d}"}
+        assert {rec.identity.rank for rec in r.records} == set(range(4 * n, 4 * n + 4))
+    last = {}
+    for rec in steps:
+        last[rec.identity.rank] = rec
+    for rank, rec in last.items():
+        assert rec.exact and rec.step == 120 and rec.identity.world_size == 12
+        assert rec.totals == truth.reported[rank]
+        assert rec.totals.steps == 120
+        assert rec.totals.slack_seconds == pytest.approx(truth.slack_seconds[rank], rel=1e-9)
+        assert rec.totals.last_arrivals == truth.last_arrivals[rank]
+        assert rec.totals.step_seconds == pytest.approx(sum(s.step_seconds for s in truth.steps))
+        assert rec.wall_time == pytest.approx(START + truth.virtual_seconds)
+    s = straggler_rank(12)
+    assert last[s].totals.last_arrivals >= 95
+    # global rank 0 carries the skew histogram, nobody else does
+    assert last[0].skew.count == 120
+    assert last[0].skew.sum == pytest.approx(sum(st.skew for st in truth.steps))
+    assert all(rec.skew is None for rec in steps if rec.identity.rank != 0)
+    # per-step values on the wire are the model's
+    st = truth.steps[41]
+    wire = [rec for rec in steps if rec.step == st.step]
+    assert sorted(rec.wait_seconds for rec in wire) == sorted(st.waits)
+    assert {rec.step_seconds for rec in wire} == {st.step_seconds}
+
+
+def test_slack_arrives_window_by_window(receivers):
+    """Between exchanges the slack counters stand still, as in the real exchange (K = 50)."""
+    rx = receivers(1)
+    truth = run_scenario("healthy", nodes=1, ranks_per_node=4, steps=120,
+                         sockets=[rx[0].path], start_wall=START, exchange_every=50)
+    rx[0].wait_for(truth.records_sent)
+    rank1 = [rec for rec in by_kind(rx, StepRecord) if rec.identity.rank == 1]
+    seen = [rec.totals.slack_seconds for rec in rank1]
+    changes = [r.step for r, prev in zip(rank1[1:], seen) if r.totals.slack_seconds != prev]
+    assert changes == [50, 100, 120]
+
+
+def test_restarts_change_attempt_pid_and_step_numbers(receivers):
+    rx = receivers(2)
+    truth = run_scenario("restarts", nodes=2, ranks_per_node=2, steps=400,
+                         sockets=[r.path for r in rx], start_wall=START)
+    for r in rx:
+        r.wait_for(truth.records_sent // 2)
+    assert truth.dropped == 0 and truth.rerun_steps == 40
+    steps = [rec for rec in by_kind(rx, StepRecord) if rec.identity.rank == 3]
+    attempts = collections.Counter(rec.identity.attempt for rec in steps)
+    assert attempts == {0: 130, 1: 160, 2: 110}
+    assert len({rec.identity.pid for rec in steps}) == 3
+    numbers = [rec.step for rec in steps]
+    assert numbers[129:131] == [130, 101]
+    # a new process starts its counters from zero
+    first_of_1 = next(rec for rec in steps if rec.identity.attempt == 1)
+    assert first_of_1.totals.steps == 1
+    assert steps[-1].totals == truth.reported[3]
+    assert steps[-1].totals.checkpoints == 2  # steps 300 and 350 in attempt 2 (251..360)
+    # no end record from the crashed attempts, one per rank from the last
+    assert [e.identity.attempt for e in by_kind(rx, EndRecord)] == [2] * 4
+
+
+def test_realtime_mode_takes_the_simulated_time_and_stops_on_request(receivers):
+    rx = receivers(1)
+    params = dict(compute_seconds=0.02)
+    thread = ScenarioThread("healthy", [{"socket": rx[0].path}], nodes=1, ranks_per_node=2,
+                            params=params, heartbeat_every=0.05, keep_steps=True)
+    t0 = time.monotonic()
+    thread.start()
+    time.sleep(0.5)
+    thread.stop()
+    elapsed = time.monotonic() - t0
+    assert not thread.is_alive() and thread.error is None
+    truth = thread.truth
+    # ~21 ms per step on the simulated clock: about 20 steps in 0.5 s (a loaded machine runs fewer)
+    assert 5 <= truth.executed_steps <= 0.6 / 0.0205
+    assert truth.virtual_seconds <= elapsed + 0.05
+    rx[0].wait_for(truth.records_sent)
+    hb = by_kind(rx, HeartbeatRecord)
+    assert len(hb) >= 4
+    assert {h.phase for h in hb} <= {"data", "forward", "backward", "optimizer", "sync"}
+    walls = [rec.wall_time for rec in by_kind(rx, StepRecord)]
+    assert abs(walls[-1] - time.time()) < 5  # real wall clock in real-time mode
+    assert by_kind(rx, EndRecord) == []  # stopped, not completed
+
+
+def test_driver_refuses_mismatched_targets():
+    with pytest.raises(ValueError, match="targets"):
+        Driver(scenario_params("healthy", 2, 2), targets=[{"socket": "/nonexistent"}])

@@ -1,0 +1,181 @@
+"""Simulator -> real daemons (one per simulated node) -> HTTP scrape: the exposition tells the truth.
+
+Also the golden exposition of a fixed simulated scenario. Regenerate it after an intended change
+with ``SYNCWATCH_UPDATE_GOLDEN=1 python -m pytest tests/test_sim_e2e.py`` and review the diff.
+"""
+
+import os
+import re
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from syncwatch.daemon.app import DaemonThread
+from syncwatch.daemon.config import DaemonConfig
+from syncwatch.protocol import PHASES
+from syncwatch.sim.driver import node_name
+from syncwatch.sim.scenarios import run_scenario, straggler_rank
+
+GOLDEN = Path(__file__).parent / "golden" / "sim_straggler_2x2.prom"
+UPDATE_GOLDEN = os.environ.get("SYNCWATCH_UPDATE_GOLDEN", "").lower() in ("1", "true", "yes")
+START = 1_700_000_000.0
+PREFIX = "sim-node-"
+
+
+@pytest.fixture
+def cluster():
+    """``start(nodes)`` -> one running daemon per simulated node, each on its own socket and port."""
+    started = []
+    d = tempfile.mkdtemp(prefix="sw-e2e-")
+
+    def start(nodes: int, **config):
+        for n in range(nodes):
+            cfg = DaemonConfig(listen="127.0.0.1:0", socket=os.path.join(d, f"n{n}.sock"),
+                               node=node_name(PREFIX, n), **config)
+            daemon = DaemonThread(cfg)
+            daemon.start()
+            started.append(daemon)
+        return started
+
+    yield start
+    for daemon in started:
+        daemon.stop()
+
+
+def scrape_text(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def samples(text: str) -> dict:
+    """{(sample name, frozenset(labels)): value} of one exposition."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(sm: dict, name: str, **labels) -> float:
+    return sm[(name, frozenset((k, str(v)) for k, v in labels.items()))]
+
+
+def scrape_when_ingested(daemons, per_daemon: int, timeout: float = 30.0) -> list[dict]:
+    """Scrape every daemon once each has accepted ``per_daemon`` records."""
+    end = time.monotonic() + timeout
+    while True:
+        got = [samples(scrape_text(d.url)) for d in daemons]
+        counts = [value(sm, "syncwatch_ingest_records_total") for sm in got]
+        if all(c >= per_daemon for c in counts) or time.monotonic() > end:
+            assert counts == [per_daemon] * len(daemons)
+            return got
+        time.sleep(0.05)
+
+
+def run_through(daemons, name, nodes, rpn, steps, **kw):
+    truth = run_scenario(name, nodes, rpn, steps, sockets=[d.socket_path for d in daemons],
+                         start_wall=START, **kw)
+    assert truth.dropped == 0
+    return truth, scrape_when_ingested(daemons, truth.records_sent // nodes)
+
+
+def test_exported_totals_equal_the_simulators_truth(cluster):
+    nodes, rpn = 4, 8
+    daemons = cluster(nodes)
+    truth, scraped = run_through(daemons, "straggler", nodes, rpn, 300)
+    job = truth.job
+    window_cv = truth.cv(100)
+    exported_last = {}
+    for g in range(nodes * rpn):
+        n = g // rpn
+        sm = scraped[n]
+        rep = truth.reported[g]
+        lab = dict(train_job=job, rank=g)
+        assert value(sm, "syncwatch_steps_total", **lab) == rep.steps == 300
+        assert value(sm, "syncwatch_step_seconds_total", **lab) == pytest.approx(rep.step_seconds, rel=1e-12)
+        for k, phase in enumerate(PHASES):
+            assert value(sm, "syncwatch_phase_seconds_total", phase=phase, **lab) == pytest.approx(
+                rep.phase_seconds[k], rel=1e-12, abs=1e-12)
+        assert value(sm, "syncwatch_samples_total", **lab) == rep.samples
+        # exact slack and last arrivals: the model's per-step truth, summed over the whole run
+        assert value(sm, "syncwatch_slack_seconds_total", **lab) == pytest.approx(truth.slack_seconds[g], rel=1e-9)
+        exported_last[g] = value(sm, "syncwatch_last_arrivals_total", **lab)
+        assert exported_last[g] == truth.last_arrivals[g]
+        assert value(sm, "syncwatch_step_cv", **lab) == pytest.approx(window_cv, rel=0.05)
+        assert value(sm, "syncwatch_last_step", **lab) == 300
+        # a rank's series live on its own node's daemon only
+        for other in range(nodes):
+            if other != n:
+                assert ("syncwatch_steps_total", frozenset((k, str(v)) for k, v in lab.items())) \
+                    not in scraped[other]
+    ranked = sorted(exported_last.values(), reverse=True)
+    s = straggler_rank(nodes * rpn)
+    assert exported_last[s] == ranked[0] >= 0.95 * 281  # late from step 20 to 300
+    assert ranked[0] > 10 * ranked[1], "the injected straggler has by far the most last arrivals"
+    skew_count = value(scraped[0], "syncwatch_barrier_skew_seconds_count", train_job=job)
+    skew_sum = value(scraped[0], "syncwatch_barrier_skew_seconds_sum", train_job=job)
+    assert skew_count == 300
+    assert skew_sum == pytest.approx(sum(st.skew for st in truth.steps), rel=1e-9)
+    assert sum(value(sm, "syncwatch_ingest_records_total") for sm in scraped) == truth.records_sent
+    for sm in scraped:
+        assert not [k for k in sm if k[0] == "syncwatch_ingest_rejected_total" and sm[k] > 0]
+        assert value(sm, "syncwatch_client_dropped_records_total") == 0
+
+
+def test_restarts_reach_the_job_series(cluster):
+    daemons = cluster(2)
+    truth, scraped = run_through(daemons, "restarts", 2, 2, 400)
+    sm = scraped[0]  # global rank 0's node
+    job = truth.job
+    assert value(sm, "syncwatch_job_attempt", train_job=job) == 2
+    assert value(sm, "syncwatch_job_restarts_total", train_job=job) == len(truth.restarts) == 2
+    assert value(sm, "syncwatch_job_rerun_steps_total", train_job=job) == truth.rerun_steps == 40
+    # counters of the current processes, the attempt-2 pids on rank_info
+    assert value(sm, "syncwatch_steps_total", train_job=job, rank=0) == truth.reported[0].steps == 110
+    pids = {dict(k[1])["pid"] for k in sm if k[0] == "syncwatch_rank_info"}
+    assert pids == {str(100_000 + 2 * 65_536 + r) for r in (0, 1)}
+
+
+def normalize(text: str) -> str:
+    """Stable order of series within each family (their order follows record arrival order across
+    ranks, which the senders' retry threads may interleave) and no version string."""
+    text = re.sub(r'syncwatch_build_info\{version="[^"]*"\}', 'syncwatch_build_info{version="VERSION"}', text)
+    out, block = [], []
+
+    def series_key(line: str) -> str:
+        labels = line.partition("{")[2].rpartition("}")[0]
+        return re.sub(r',?le="[^"]*"', "", labels)
+
+    def flush():
+        out.extend(sorted(block, key=series_key))  # stable: buckets keep their order
+        block.clear()
+
+    for line in text.splitlines():
+        if line.startswith("#"):
+            flush()
+            out.append(line)
+        else:
+            block.append(line)
+    flush()
+    return "\n".join(out) + "\n"
+
+
+def test_golden_exposition(cluster):
+    """A fixed scenario (straggler, 2 nodes x 2 ranks, 60 steps, seed 0, virtual clock) scrapes to
+    exactly the checked-in exposition. Any change to what the daemon exports, or to what the
+    simulator sends, shows up here as a readable diff."""
+    daemons = cluster(2)
+    truth, _ = run_through(daemons, "straggler", 2, 2, 60, exchange_every=20, heartbeat_every=5.0)
+    got = "".join(f"# ---- daemon of {node_name(PREFIX, n)}\n" + normalize(scrape_text(d.url))
+                  for n, d in enumerate(daemons))
+    if UPDATE_GOLDEN or not GOLDEN.exists():
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(got)
+        if not UPDATE_GOLDEN:
+            pytest.fail(f"{GOLDEN} did not exist; written now, review and commit it")
+    assert got == GOLDEN.read_text(), (
+        f"exposition differs from {GOLDEN.name}; if intended, regenerate with SYNCWATCH_UPDATE_GOLDEN=1")

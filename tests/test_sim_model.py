@@ -1,0 +1,158 @@
+"""The simulator's model: ground-truth invariants, calibration against the paper, scenario effects."""
+
+import math
+
+import pytest
+
+from syncwatch.protocol import PHASES
+from syncwatch.sim.model import (PAPER_CV, Model, Params, Restart, StepTruth, format_sweep,
+                                 lag1_autocorrelation, scaling_sweep, step_cv)
+from syncwatch.sim.scenarios import SCENARIOS, run_scenario, scenario_params, straggler_rank
+from syncwatch.skew import derive
+
+SYNC = PHASES.index("sync")
+
+
+def steps_of(params, n, seed=0):
+    m = Model(params, seed)
+    return [e for e in (m.next() for _ in range(n)) if isinstance(e, StepTruth)]
+
+
+def test_wait_identity_and_exact_skew():
+    """wait = release - arrival; the smallest wait is the last arrival; skew = max - min slack."""
+    p = Params(nodes=3, ranks_per_node=4, stall_probability=0.02, checkpoint_every=7,
+               checkpoint_seconds=0.3)
+    for s in steps_of(p, 300):
+        arrivals = [sum(ph) - ph[SYNC] for ph in s.phases]
+        release = s.step_seconds
+        for a, w, ph in zip(arrivals, s.waits, s.phases):
+            assert w == pytest.approx(release - a, abs=1e-12)
+            assert ph[SYNC] == w
+            assert sum(ph) == pytest.approx(s.step_seconds, rel=1e-12)  # phases add to the step
+        last = max(range(len(arrivals)), key=arrivals.__getitem__)
+        assert last in s.last_arrivals
+        assert s.min_wait == pytest.approx(p.collective_seconds * (p.congestion_factor if s.congested else 1))
+        assert s.skew == pytest.approx(max(s.slack) - min(s.slack))
+        assert min(s.slack) == 0.0
+        assert s.skew == pytest.approx(max(arrivals) - min(arrivals), abs=1e-12)
+
+
+def test_derive_over_a_window_equals_per_step_truth():
+    """The exchange's MIN/MAX derivation recovers exactly the model's per-rank slack and last arrivals."""
+    p = Params(nodes=2, ranks_per_node=4)
+    window = steps_of(p, 50)
+    mins = [min(s.waits) for s in window]
+    maxs = [max(s.waits) for s in window]
+    for i in range(p.world_size):
+        res = derive([s.waits[i] for s in window], mins, maxs)
+        assert res.slack_seconds == pytest.approx(sum(s.slack[i] for s in window))
+        assert res.last_arrivals == sum(i in s.last_arrivals for s in window)
+        assert res.skews == pytest.approx([s.skew for s in window])
+
+
+def test_seeded_runs_repeat_and_seeds_differ():
+    p = Params(nodes=2, ranks_per_node=2)
+    a = [s.step_seconds for s in steps_of(p, 50, seed=3)]
+    assert a == [s.step_seconds for s in steps_of(p, 50, seed=3)]
+    assert a != [s.step_seconds for s in steps_of(p, 50, seed=4)]
+
+
+def test_gaussian_jitter_alone_makes_cv_fall_with_scale():
+    """The reason the model has stalls and congestion: without them CV shrinks as the cluster grows."""
+    gauss_only = Params(stall_probability=0.0, congestion_rate=0.0)
+    rows = scaling_sweep((4, 64), params=gauss_only, rank_steps=100_000, min_steps=500)
+    assert rows[1].cv < rows[0].cv
+
+
+def test_scaling_sweep_matches_the_paper():
+    """CV rises with node count like the seed paper's table (0.02 .. 0.22 at 4 .. 64 nodes).
+
+    Tolerance 35 % per point: the NOTES fit of this model family is within ~20 %, and the CV of a
+    few thousand steps dominated by rare events has a sampling error of ~10-15 % (seeds 0-2 moved
+    each point by up to 0.01 in calibration).
+    """
+    rows = scaling_sweep()
+    print(format_sweep(rows))
+    cvs = [r.cv for r in rows]
+    assert cvs == sorted(cvs), "CV must rise with node count"
+    for r in rows:
+        assert r.cv == pytest.approx(PAPER_CV[r.nodes], rel=0.35), format_sweep(rows)
+    assert cvs[-1] / cvs[0] > 6
+
+
+def test_straggler_scenario_names_its_rank():
+    p = scenario_params("straggler", 4, 8)
+    steps = steps_of(p, 200)
+    r = straggler_rank(p.world_size)
+    late = sum(r in s.last_arrivals for s in steps if s.step >= p.straggler_from_step)
+    assert late >= 0.95 * (200 - p.straggler_from_step + 1)
+    early = sum(r in s.last_arrivals for s in steps if s.step < p.straggler_from_step)
+    assert early <= 5, "before it starts the straggler is an ordinary rank"
+
+
+def test_oscillation_gives_strongly_negative_lag1_autocorrelation():
+    osc = [s.step_seconds for s in steps_of(scenario_params("oscillation"), 200)]
+    healthy = [s.step_seconds for s in steps_of(scenario_params("healthy"), 200)]
+    assert lag1_autocorrelation(osc) < -0.9
+    assert abs(lag1_autocorrelation(healthy)) < 0.3
+    assert step_cv(osc) > 5 * step_cv(healthy)
+
+
+def test_congestion_episodes_inflate_sync_time():
+    p = scenario_params("congestion")
+    steps = steps_of(p, 400)
+    cong = [s for s in steps if s.congested]
+    calm = [s for s in steps if not s.congested]
+    forced = {e + k for e in range(100, 301, 100) for k in range(p.congestion_steps)}
+    assert forced <= {s.step for s in cong}  # plus the rare random episode
+    assert min(s.min_wait for s in cong) == pytest.approx(4 * max(s.min_wait for s in calm))
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    assert mean([s.step_seconds for s in cong]) > mean([s.step_seconds for s in calm]) + 0.4
+
+
+def test_thermal_drift_moves_the_last_arrival_between_nodes():
+    p = scenario_params("thermal")
+    m = Model(p, 0)
+    steps = [m.next() for _ in range(600)]
+    R = p.ranks_per_node
+
+    def hottest(step):
+        w = 2 * math.pi * step / p.thermal_period_steps
+        return max(range(p.nodes), key=lambda n: math.sin(w + m._node_phase[n]))
+
+    agree = sum(s.last_arrivals[0] // R == hottest(s.step) for s in steps)
+    assert agree > 0.8 * len(steps)
+    leaders = {s.last_arrivals[0] // R for s in steps}
+    assert len(leaders) >= 3, "the slowest node changes as the sinusoids drift"
+
+
+def test_restarts_resume_from_checkpoint_and_rerun_steps():
+    p = scenario_params("restarts")
+    m = Model(p, 0)
+    events = [m.next() for _ in range(402)]
+    restarts = [e for e in events if isinstance(e, Restart)]
+    assert [(r.failed_step, r.resume_step, r.attempt) for r in restarts] == [(130, 101, 1), (260, 251, 2)]
+    assert sum(r.rerun_steps for r in restarts) == 40
+    numbers = [e.step for e in events if isinstance(e, StepTruth)]
+    assert numbers[129:132] == [130, 101, 102]  # step numbers go back after the failure
+    ckpt = [e.step for e in events if isinstance(e, StepTruth) and e.phases[0][PHASES.index("checkpoint")] > 0]
+    assert ckpt[:3] == [50, 100, 150] and all(n % 50 == 0 for n in ckpt)
+    attempts = [e.attempt for e in events if isinstance(e, StepTruth)]
+    assert attempts[0] == 0 and attempts[-1] == 2 and attempts == sorted(attempts)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_every_scenario_runs_model_only(name):
+    truth = run_scenario(name, nodes=2, ranks_per_node=4, steps=120)
+    assert truth.executed_steps == 120
+    assert truth.records_sent > 0 and truth.dropped == 0
+    assert sum(truth.last_arrivals) >= 120
+
+
+def test_bad_parameters_are_refused():
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        Params(fail_after=(10,))
+    with pytest.raises(ValueError, match="straggler_rank"):
+        Params(nodes=1, ranks_per_node=2, straggler_rank=2)
+    with pytest.raises(ValueError, match="unknown scenario"):
+        scenario_params("nope")
