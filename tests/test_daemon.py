@@ -155,11 +155,7 @@ def test_too_large_datagram_over_udp_is_counted(sock_path):
 
 
 def _daemon_cmd(*flags: str) -> list[str]:
-    """Run ``syncwatch daemon`` through its own module (the CLI of this checkout)."""
-    code = ("import sys, argparse; from syncwatch.daemon import main as m; "
-            "p = argparse.ArgumentParser(); m.register(p.add_subparsers()); "
-            "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
-    return [sys.executable, "-c", code, "daemon", *flags]
+    return [sys.executable, "-m", "syncwatch", "daemon", *flags]
 
 
 def _start_cli_daemon(sock_path, *flags):

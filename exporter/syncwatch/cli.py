@@ -15,6 +15,8 @@ SUBCOMMANDS = {
     "diagnose": "syncwatch.analysis.diagnose",
     "project": "syncwatch.analysis.project",
     "report": "syncwatch.analysis.report",
+    "rules": "syncwatch.rules.main",
+    "stack": "syncwatch.stack",
 }
 
 _TRUE = {"1", "true", "yes", "on"}

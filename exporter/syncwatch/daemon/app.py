@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import json
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor

@@ -1,0 +1,194 @@
+"""Alert drill: inject faults into simulated jobs and watch the real pipeline page.
+
+simulator -> node daemons (UDP on loopback) -> Prometheus (rules rendered at ``time_scale``, 1 s
+scrape and evaluation) -> Alertmanager (the shipped routing, fast timers) -> a webhook receiver.
+
+Several train jobs run at once on the same two daemons: one stays healthy, each other one runs
+healthy for ``warmup`` seconds and then gets one fault (the simulator's model reads its parameters
+on every step, so the switch happens at a known wall time). ``run_drill`` returns, per job, when
+the fault started, when Prometheus first had each alert firing, and when the webhook received
+each notification. The end-to-end test asserts on it; benchmarks/detection_latency.py prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import yaml
+
+from ..daemon.app import DaemonThread
+from ..daemon.config import DaemonConfig
+from ..sim.scenarios import ScenarioThread, scenario_params, straggler_rank
+from ..stack import REPO, Alertmanager, Prometheus, alertmanager_config_for_test
+from .render import write
+
+NODES, RANKS_PER_NODE = 2, 4
+COMPUTE_SECONDS = 0.05       # ~60 ms simulated (and real) steps: ~16 steps/s per job
+
+
+def fault_params(fault: str) -> dict:
+    """Model parameters a job switches to at onset (on top of the healthy cluster's)."""
+    world = NODES * RANKS_PER_NODE
+    if fault == "healthy":
+        return {}
+    if fault == "variance":      # the simulator's congestion scenario: episodes of slow collectives
+        p = scenario_params("congestion", NODES, RANKS_PER_NODE)
+        return dict(congestion_every=p.congestion_every, congestion_steps=p.congestion_steps,
+                    congestion_factor=p.congestion_factor)
+    if fault == "straggler":     # the simulator's straggler scenario, starting at onset
+        p = scenario_params("straggler", NODES, RANKS_PER_NODE)
+        return dict(straggler_rank=p.straggler_rank, straggler_slowdown=p.straggler_slowdown,
+                    straggler_from_step=0)
+    if fault == "stall":         # one rank hangs in its compute; all keep sending heartbeats
+        return dict(straggler_rank=min(2, world - 1), straggler_slowdown=1e5, straggler_from_step=0)
+    raise ValueError(f"unknown fault {fault!r}")
+
+
+EXPECTED = {  # fault -> the alert that must page for it
+    "variance": "SyncwatchStepTimeVarianceGrowing",
+    "straggler": "SyncwatchPersistentStraggler",
+    "stall": "SyncwatchJobStalled",
+}
+
+
+def straggler_node() -> str:
+    from ..sim.driver import node_name
+    return node_name("sim-node-", straggler_rank(NODES * RANKS_PER_NODE) // RANKS_PER_NODE)
+
+
+@dataclass
+class JobResult:
+    fault: str
+    job: str
+    onset: float | None = None                                     # wall time the fault started
+    firing: dict[str, float] = field(default_factory=dict)         # alertname -> first seen firing
+    firing_labels: dict[str, dict] = field(default_factory=dict)
+    notified: dict[str, float] = field(default_factory=dict)       # alertname -> first notification
+    notified_alerts: dict[str, dict] = field(default_factory=dict)  # alertname -> alert (labels, annotations)
+    receivers: dict[str, str] = field(default_factory=dict)        # alertname -> receiver
+
+
+@dataclass
+class DrillResult:
+    jobs: dict[str, JobResult]
+    notifications: list[dict]
+    scores: dict[str, float]          # train_job -> instability score at the end
+    duration: float
+
+
+class _Webhook(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self):
+        self.received: list[dict] = []
+        self.lock = threading.Lock()
+        super().__init__(("127.0.0.1", 0), _WebhookHandler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _WebhookHandler(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 (http.server API)
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        now = time.time()
+        with self.server.lock:
+            self.server.received.append({"at": now, "receiver": self.path.rsplit("/", 1)[-1],
+                                         "payload": json.loads(body)})
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def run_drill(faults=("healthy", "variance", "straggler", "stall"), *, time_scale: float = 0.05,
+              warmup: float = 20.0, timeout: float = 150.0, seed: int = 0,
+              workdir: str | None = None) -> DrillResult:
+    """Run the drill until every expected alert was notified (or ``timeout`` seconds)."""
+    t_start = time.time()
+    work = Path(workdir or tempfile.mkdtemp(prefix="sw-drill-"))
+    rule_files = write(work / "rules", time_scale)
+    webhook = _Webhook()
+    threading.Thread(target=webhook.serve_forever, daemon=True).start()
+    am_base = yaml.safe_load((REPO / "deploy" / "alertmanager" / "alertmanager.yml").read_text())
+    daemons, sims, servers = [], [], []
+    jobs = {f"drill-{f}": JobResult(f, f"drill-{f}") for f in faults}
+    try:
+        for n in range(NODES):
+            d = DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=None, udp="127.0.0.1:0",
+                                          node=f"sim-node-{n:02d}"))
+            d.start()
+            daemons.append(d)
+        (work / "am").mkdir(exist_ok=True)
+        (work / "prom").mkdir(exist_ok=True)
+        am = Alertmanager(alertmanager_config_for_test(am_base, webhook.url), workdir=str(work / "am"))
+        am.start()
+        servers.append(am)
+        prom = Prometheus([d.url.split("//", 1)[1] for d in daemons], rule_files=rule_files,
+                          alertmanager_url=am.url, resend_delay="1s", workdir=str(work / "prom"))
+        prom.start()
+        servers.append(prom)
+        targets = [{"udp": d.udp_address} for d in daemons]
+        for i, job in enumerate(jobs.values()):
+            s = ScenarioThread("healthy", targets, NODES, RANKS_PER_NODE, seed=seed + i, job=job.job,
+                               params=dict(compute_seconds=COMPUTE_SECONDS), exchange_every=10,
+                               heartbeat_every=1.0)
+            s.start()
+            sims.append((job, s))
+        onset_at = time.time() + warmup
+        expected = {(EXPECTED[j.fault], j.job) for j in jobs.values() if j.fault in EXPECTED}
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            now = time.time()
+            if now >= onset_at:
+                for job, s in sims:
+                    if job.onset is None and job.fault != "healthy":
+                        model = s.driver.model
+                        model.p = model.p.with_(**fault_params(job.fault))
+                        job.onset = time.time()
+            for a in prom.alerts():
+                job = jobs.get(a["labels"].get("train_job", ""))
+                if job and a["state"] == "firing" and a["labels"]["alertname"] not in job.firing:
+                    job.firing[a["labels"]["alertname"]] = now
+                    job.firing_labels[a["labels"]["alertname"]] = a["labels"]
+            with webhook.lock:
+                received = list(webhook.received)
+            for note in received:
+                for a in note["payload"]["alerts"]:
+                    job = jobs.get(a["labels"].get("train_job", ""))
+                    name = a["labels"]["alertname"]
+                    if job and a["status"] == "firing" and name not in job.notified:
+                        job.notified[name] = note["at"]
+                        job.notified_alerts[name] = a
+                        job.receivers[name] = note["receiver"]
+            if all(name in jobs[j].notified for name, j in expected):
+                break
+            for _, s in sims:
+                if s.error is not None:
+                    raise RuntimeError(f"simulator failed: {s.error!r}") from s.error
+            time.sleep(0.5)
+        scores = {r["metric"]["train_job"]: float(r["value"][1])
+                  for r in prom.query("train_job:syncwatch_instability:score")}
+        with webhook.lock:
+            notes = list(webhook.received)
+        return DrillResult(jobs, notes, scores, time.time() - t_start)
+    finally:
+        for _, s in sims:
+            s.stop()
+        for srv in reversed(servers):
+            srv.stop()
+        for d in daemons:
+            d.stop()
+        webhook.shutdown()
+        webhook.server_close()
+        if workdir is None:
+            shutil.rmtree(work, ignore_errors=True)

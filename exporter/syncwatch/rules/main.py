@@ -1,0 +1,42 @@
+"""``syncwatch rules render``: write the rule files (optionally with every window scaled)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..cli import add_flag
+from .render import render, write
+from .thresholds import RUNBOOK_BASE
+
+REPO_ALERTS = Path(__file__).resolve().parents[3] / "alerts"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("rules", help="render the Prometheus rule files")
+    sub = p.add_subparsers(dest="rules_command", metavar="ACTION", required=True)
+    r = sub.add_parser("render", help="write recording.rules.yml and <concern>.rules.yml")
+    add_flag(r, "--out", type=Path, default=REPO_ALERTS, help="directory to write the rule files into")
+    add_flag(r, "--time-scale", type=float, default=1.0,
+             help="multiply every window and for: duration by this factor (tests use e.g. 0.05)")
+    add_flag(r, "--runbook-base", default=RUNBOOK_BASE, help="URL of docs/runbook.md for runbook_url")
+    add_flag(r, "--check", action="store_true",
+             help="write nothing; exit 1 if the files in --out differ from the render")
+    r.set_defaults(func=run_render)
+
+
+def run_render(args: argparse.Namespace) -> int:
+    try:
+        if args.check:
+            stale = [name for name, text in render(args.time_scale, args.runbook_base).items()
+                     if not (args.out / name).is_file() or (args.out / name).read_text() != text]
+            for name in stale:
+                print(f"{args.out / name} is not current; run: syncwatch rules render", file=sys.stderr)
+            return 1 if stale else 0
+        for path in write(args.out, args.time_scale, args.runbook_base):
+            print(path)
+    except ValueError as e:
+        print(f"syncwatch rules render: {e}", file=sys.stderr)
+        return 2
+    return 0

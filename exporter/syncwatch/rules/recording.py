@@ -1,0 +1,146 @@
+"""Recording rules: raw syncwatch series -> per-train-job scores (``level:metric:operation``).
+
+Where series come from (and why the joins look the way they do): per-rank series come from the
+daemon of the rank's node (``instance`` = that daemon), job-level series (skew histogram, restarts,
+re-runs, world size) from the daemon hosting global rank 0, GPU series carry ``gpu``/``uuid`` and
+their daemon's ``instance``. ``syncwatch_rank_info{train_job,rank,local_rank,node,gpu,uuid,pid}``
+joins them. Every aggregation is ``by (train_job ...)`` so ``instance`` never splits a job.
+
+Rules of one group are evaluated in order, so a rule may use the records above it.
+"""
+
+from __future__ import annotations
+
+from .render import Ctx
+
+# One series per (train_job, rank) carrying the rank's node; topk keeps it unique while a
+# restarted rank's previous process (other pid or node) is still within the daemon's rank TTL.
+SYNC_PHASE = 'syncwatch_phase_seconds_total{phase="sync"}'
+RANK_NODE = "topk by (train_job, rank) (1, syncwatch_rank_info)"
+
+
+def _component(name: str, value: str, ok: float, bad: float) -> dict:
+    """One instability component: 0 at ``ok``, 1 at ``bad``, linear between, clamped to 0..1."""
+    return {
+        "record": "train_job:syncwatch_instability:component",
+        "expr": f"clamp(({value} - {ok:g}) / {bad - ok:g}, 0, 1)",
+        "labels": {"component": name},
+    }
+
+
+def recording_rules(c: Ctx) -> list[dict]:
+    w, t = c.windows, c.thresholds
+    r, rs, conc = c.d(w.rate), c.d(w.rate_short), c.d(w.concentration)
+
+    def rate_by(metric: str, window: str, by: str = "train_job") -> str:
+        return f"sum by ({by}) (rate({metric}[{window}]))"
+
+    rules = [
+        # --- pace and throughput
+        {"record": "train_job:syncwatch_steps:rate5m",
+         "expr": f"avg by (train_job) (rate(syncwatch_steps_total[{r}]))"},
+        {"record": "train_job:syncwatch_step_seconds:mean5m",
+         "expr": f"{rate_by('syncwatch_step_seconds_total', r)}\n/\n{rate_by('syncwatch_steps_total', r)}"},
+        {"record": "train_job:syncwatch_step_seconds:mean1m",
+         "expr": f"{rate_by('syncwatch_step_seconds_total', rs)}\n/\n{rate_by('syncwatch_steps_total', rs)}"},
+        {"record": "train_job:syncwatch_samples:rate5m",
+         "expr": rate_by("syncwatch_samples_total", r)},
+        {"record": "train_job:syncwatch_tokens:rate5m",
+         "expr": rate_by("syncwatch_tokens_total", r)},
+        # --- where the time goes
+        {"record": "train_job:syncwatch_sync_tax:ratio5m",
+         "expr": f"{rate_by(SYNC_PHASE, r)}\n/\n"
+                 f"{rate_by('syncwatch_step_seconds_total', r)}"},
+        {"record": "train_job_phase:syncwatch_phase:ratio5m",
+         "expr": f"{rate_by('syncwatch_phase_seconds_total', r, 'train_job, phase')}\n"
+                 f"/ on (train_job) group_left\n{rate_by('syncwatch_step_seconds_total', r)}"},
+        {"record": "train_job:syncwatch_coupling:ratio5m",
+         "expr": f"{rate_by('syncwatch_slack_seconds_total', r)}\n/\n"
+                 f"{rate_by('syncwatch_step_seconds_total', r)}"},
+        {"record": "train_job_rank:syncwatch_slack:ratio5m",
+         "expr": f"{rate_by('syncwatch_slack_seconds_total', r, 'train_job, rank')}\n/\n"
+                 f"{rate_by('syncwatch_step_seconds_total', r, 'train_job, rank')}"},
+        # --- stragglers: who arrives last, and how concentrated that is
+        {"record": "train_job_rank:syncwatch_last_arrival:ratio10m",
+         "expr": f"(\n  {rate_by('syncwatch_last_arrivals_total', conc, 'train_job, rank')}\n  /\n"
+                 f"  {rate_by('syncwatch_steps_total', conc, 'train_job, rank')}\n)\n"
+                 f"* on (train_job, rank) group_left (node)\n{RANK_NODE}"},
+        {"record": "train_job:syncwatch_straggler_concentration:ratio10m",
+         "expr": f"max by (train_job) ({rate_by('syncwatch_last_arrivals_total', conc, 'train_job, rank')})\n"
+                 f"/\n{rate_by('syncwatch_last_arrivals_total', conc)}"},
+        # --- variance: per-step CV from the ranks' rolling windows, and from counters
+        {"record": "train_job:syncwatch_step_cv:max",
+         "expr": "max by (train_job) (syncwatch_step_cv)"},
+        {"record": "train_job:syncwatch_step_cv:avg5m",
+         "expr": f"avg_over_time(train_job:syncwatch_step_cv:max[{r}])"},
+        {"record": "train_job:syncwatch_step_cv:baseline",
+         "expr": f"avg_over_time(train_job:syncwatch_step_cv:max[{c.d(w.baseline)}] "
+                 f"offset {c.d(w.baseline_offset)})"},
+        {"record": "train_job:syncwatch_step_cv:growth",
+         "expr": f"train_job:syncwatch_step_cv:avg5m\n/\n"
+                 f"clamp_min(train_job:syncwatch_step_cv:baseline, {t.cv_growth_floor:g})"},
+        {"record": "train_job:syncwatch_step_cv:counters10m",
+         "expr": f"stddev_over_time(train_job:syncwatch_step_seconds:mean1m[{c.d(w.cv_counters)}])\n/\n"
+                 f"avg_over_time(train_job:syncwatch_step_seconds:mean1m[{c.d(w.cv_counters)}])"},
+        # --- barrier skew (histogram from the daemon of global rank 0)
+        {"record": "train_job:syncwatch_barrier_skew_seconds:mean5m",
+         "expr": f"{rate_by('syncwatch_barrier_skew_seconds_sum', r)}\n/\n"
+                 f"{rate_by('syncwatch_barrier_skew_seconds_count', r)}"},
+        {"record": "train_job:syncwatch_barrier_skew_seconds:p99_5m",
+         "expr": f"histogram_quantile(0.99, "
+                 f"{rate_by('syncwatch_barrier_skew_seconds_bucket', r, 'train_job, le')})"},
+        {"record": "train_job:syncwatch_skew_step:ratio5m",
+         "expr": "train_job:syncwatch_barrier_skew_seconds:mean5m\n/\ntrain_job:syncwatch_step_seconds:mean5m"},
+        {"record": "train_job:syncwatch_skew_step:baseline",
+         "expr": f"avg_over_time(train_job:syncwatch_skew_step:ratio5m[{c.d(w.baseline)}] "
+                 f"offset {c.d(w.baseline_offset)})"},
+        {"record": "train_job:syncwatch_skew_step:growth",
+         "expr": f"train_job:syncwatch_skew_step:ratio5m\n/\n"
+                 f"clamp_min(train_job:syncwatch_skew_step:baseline, {t.skew_growth_floor:g})"},
+        # --- oscillation: strongly negative lag-1 autocorrelation of step time
+        {"record": "train_job:syncwatch_step_autocorrelation:avg",
+         "expr": "avg by (train_job) (syncwatch_step_autocorrelation)"},
+        {"record": "train_job:syncwatch_oscillation:avg5m",
+         "expr": f"clamp_min(-avg_over_time(train_job:syncwatch_step_autocorrelation:avg[{r}]), 0)"},
+        # --- restarts and re-run work (job-level counters)
+        {"record": "train_job:syncwatch_restarts:increase1h",
+         "expr": f"sum by (train_job) (increase(syncwatch_job_restarts_total[{c.d(w.restarts)}]))"},
+        {"record": "train_job:syncwatch_rerun:ratio1h",
+         "expr": f"clamp_max(\n"
+                 f"  sum by (train_job) (increase(syncwatch_job_rerun_steps_total[{c.d(w.restarts)}]))\n"
+                 f"  /\n  max by (train_job) (increase(syncwatch_steps_total[{c.d(w.restarts)}])),\n  1\n)"},
+        # --- efficiency: per-GPU (= per-rank) throughput against its own trailing baseline
+        {"record": "train_job:syncwatch_samples_per_gpu:rate5m",
+         "expr": "train_job:syncwatch_samples:rate5m\n/ on (train_job)\n"
+                 "count by (train_job) (syncwatch_rank_info)"},
+        {"record": "train_job:syncwatch_samples_per_gpu:baseline1h",
+         "expr": f"avg_over_time(train_job:syncwatch_samples_per_gpu:rate5m[{c.d(w.trailing)}] "
+                 f"offset {c.d(w.baseline_offset)})"},
+        {"record": "train_job:syncwatch_efficiency:ratio_to_baseline",
+         "expr": "train_job:syncwatch_samples_per_gpu:rate5m\n/\ntrain_job:syncwatch_samples_per_gpu:baseline1h"},
+        # --- energy: GPU energy of the job's GPUs (joined by uuid) per sample
+        {"record": "train_job:syncwatch_gpu_power:watts5m",
+         "expr": f"sum by (train_job) (\n"
+                 f"  rate(syncwatch_gpu_energy_joules_total[{r}])\n"
+                 f"  * on (uuid) group_right\n"
+                 f"  group by (train_job, uuid) (syncwatch_rank_info{{uuid!=\"\"}})\n)"},
+        {"record": "train_job:syncwatch_energy_per_sample:joules5m",
+         "expr": "train_job:syncwatch_gpu_power:watts5m\n/\ntrain_job:syncwatch_samples:rate5m"},
+        {"record": "train_job:syncwatch_energy_per_sample:baseline1h",
+         "expr": f"avg_over_time(train_job:syncwatch_energy_per_sample:joules5m[{c.d(w.trailing)}] "
+                 f"offset {c.d(w.baseline_offset)})"},
+        # --- instability: components (each 0..1) and their noisy-OR combination
+        _component("cv", "train_job:syncwatch_step_cv:avg5m", t.inst_cv_ok, t.inst_cv_bad),
+        _component("cv_counters", "train_job:syncwatch_step_cv:counters10m", t.inst_cv_counters_ok,
+                   t.inst_cv_counters_bad),
+        _component("cv_growth", "train_job:syncwatch_step_cv:growth", t.inst_growth_ok, t.inst_growth_bad),
+        _component("skew", "train_job:syncwatch_skew_step:ratio5m", t.inst_skew_ok, t.inst_skew_bad),
+        _component("skew_growth", "train_job:syncwatch_skew_step:growth", t.inst_skew_growth_ok,
+                   t.inst_skew_growth_bad),
+        _component("oscillation", "train_job:syncwatch_oscillation:avg5m", t.inst_osc_ok, t.inst_osc_bad),
+        _component("rerun", "train_job:syncwatch_rerun:ratio1h", t.inst_rerun_ok, t.inst_rerun_bad),
+        # 1 - prod(1 - c_i), written as a sum of logs so a missing component simply drops out.
+        {"record": "train_job:syncwatch_instability:score",
+         "expr": "1 - exp(sum by (train_job) (ln(1 - train_job:syncwatch_instability:component)))"},
+    ]
+    return rules

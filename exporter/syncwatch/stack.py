@@ -1,0 +1,353 @@
+"""Run real Prometheus and Alertmanager as subprocesses on loopback (tests, demo, local use).
+
+    with Prometheus(targets=["127.0.0.1:9477"], rule_files=[...]) as prom:
+        prom.wait_for(lambda: prom.query("up") != [])
+
+Each server gets a generated config, a private temporary directory for its storage, and a free
+loopback port (Prometheus and Alertmanager cannot report a port-0 bind, so a free port is picked
+first and the start retried if another process takes it meanwhile). ``stop()`` terminates the
+process and removes the directory. Queries go through the HTTP API with urllib.
+
+``syncwatch stack up`` runs both next to the demo or a real daemon until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import yaml
+
+from .cli import add_flag
+
+REPO = Path(__file__).resolve().parents[2]
+PROMETHEUS_BINARIES = ("prometheus",)
+ALERTMANAGER_BINARIES = ("prometheus-alertmanager", "alertmanager")  # Debian name first
+
+
+class StackError(RuntimeError):
+    """A server could not be found, started or queried."""
+
+
+def find_binary(names: Iterable[str], package: str) -> str:
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise StackError(f"none of {', '.join(names)} found on PATH (Debian package: {package})")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read()
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.25,
+               what: str = "condition") -> object:
+    """Poll ``predicate`` until it returns something truthy; raise ``TimeoutError`` with ``what``."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (OSError, StackError, ValueError) as e:
+            last_error = e
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}"
+                               + (f" (last error: {last_error})" if last_error else ""))
+        time.sleep(interval)
+
+
+class _Server:
+    """A server process on a free loopback port with a private work directory."""
+
+    name = "server"
+    ready_path = "/-/ready"
+
+    def __init__(self, binary: str, workdir: str | None = None, log_to: str | None = None):
+        self.binary = binary
+        self._own_dir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"sw-{self.name}-"))
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.log_path = Path(log_to) if log_to else self.workdir / f"{self.name}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _args(self) -> list[str]:
+        raise NotImplementedError
+
+    def _write_config(self) -> None:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 30.0, port: int = 0) -> "_Server":
+        """Start and wait until ready. ``port=0`` picks a free one (retried on a lost race)."""
+        self._write_config()
+        for attempt in range(3):
+            self.port = port or free_port()
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen([self.binary, *self._args()], stdout=log,
+                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             start_new_session=True)
+            deadline = time.monotonic() + timeout
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                if self._ready():
+                    return self
+                time.sleep(0.2)
+            exited = self.proc.poll() is not None
+            self._kill()
+            if not exited or port or attempt == 2:  # only an early exit on a picked port is retried
+                raise StackError(f"{self.name} did not start within {timeout:g}s; "
+                                 f"log {self.log_path}:\n{self.log_tail()}")
+        raise AssertionError("unreachable")
+
+    def _ready(self) -> bool:
+        try:
+            http_get(self.url + self.ready_path, timeout=2)
+            return True
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def _kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def stop(self) -> None:
+        self._kill()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self):
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Prometheus(_Server):
+    """Prometheus scraping ``targets`` (job ``syncwatch``) with optional rules and Alertmanager."""
+
+    name = "prometheus"
+
+    def __init__(self, targets: Sequence[str] = (), *, scrape_interval: str = "1s",
+                 evaluation_interval: str = "1s", rule_files: Sequence[str | Path] = (),
+                 alertmanager_url: str | None = None, scrape_job: str = "syncwatch",
+                 extra_scrape_configs: Sequence[dict] = (), resend_delay: str = "1m",
+                 binary: str | None = None, workdir: str | None = None, log_to: str | None = None):
+        """``resend_delay``: how often a firing alert is re-sent to Alertmanager; an alert firing
+        before Alertmanager is discovered (the first seconds) is only delivered at its next resend,
+        so tests use a short one."""
+        super().__init__(binary or find_binary(PROMETHEUS_BINARIES, "prometheus"), workdir, log_to)
+        self.resend_delay = resend_delay
+        self.config = {
+            "global": {"scrape_interval": scrape_interval, "evaluation_interval": evaluation_interval},
+            "rule_files": [str(Path(p).resolve()) for p in rule_files],
+            "scrape_configs": [{"job_name": scrape_job, "scrape_interval": scrape_interval,
+                                "static_configs": [{"targets": list(targets)}]},
+                               *extra_scrape_configs],
+        }
+        if alertmanager_url:
+            hostport = urllib.parse.urlsplit(alertmanager_url).netloc
+            self.config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [hostport]}]}]}
+        self.config_path = self.workdir / "prometheus.yml"
+
+    def _write_config(self) -> None:
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+
+    def _args(self) -> list[str]:
+        return [f"--config.file={self.config_path}", f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle",
+                f"--rules.alert.resend-delay={self.resend_delay}", "--log.level=warn"]
+
+    # --- HTTP API
+    def api(self, path: str, **params) -> object:
+        url = f"{self.url}/api/v1/{path}"
+        if params:
+            url += "?" + urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+        try:
+            body = json.loads(http_get(url, timeout=10))
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")
+            raise StackError(f"GET {url}: HTTP {e.code}: {detail}") from None
+        if body.get("status") != "success":
+            raise StackError(f"GET {url}: {body.get('error', body)}")
+        return body["data"]
+
+    def query(self, expr: str, time: float | None = None) -> list[dict]:
+        """Instant query: a list of ``{"metric": {...}, "value": [ts, "v"]}``."""
+        return self.api("query", query=expr, time=time)["result"]
+
+    def value(self, expr: str, time: float | None = None) -> float | None:
+        """The value of a single-sample query, or None when it returns nothing."""
+        res = self.query(expr, time)
+        if len(res) > 1:
+            raise StackError(f"{expr!r} returned {len(res)} series, expected at most one")
+        return float(res[0]["value"][1]) if res else None
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict]:
+        return self.api("query_range", query=expr, start=start, end=end, step=step)["result"]
+
+    def alerts(self) -> list[dict]:
+        """Active (pending and firing) alerts as Prometheus sees them."""
+        return self.api("alerts")["alerts"]
+
+    def targets_up(self) -> bool:
+        active = self.api("targets")["activeTargets"]
+        return bool(active) and all(t["health"] == "up" for t in active)
+
+    def reload(self) -> None:
+        self._write_config()
+        req = urllib.request.Request(self.url + "/-/reload", method="POST")
+        urllib.request.urlopen(req, timeout=10).close()
+
+
+class Alertmanager(_Server):
+    """Alertmanager with ``config`` (a dict or a YAML file path), gossip off."""
+
+    name = "alertmanager"
+
+    def __init__(self, config: dict | str | Path, *, binary: str | None = None,
+                 workdir: str | None = None, log_to: str | None = None):
+        super().__init__(binary or find_binary(ALERTMANAGER_BINARIES, "prometheus-alertmanager"),
+                         workdir, log_to)
+        self.config = config if isinstance(config, dict) else yaml.safe_load(Path(config).read_text())
+        self.config_path = self.workdir / "alertmanager.yml"
+
+    def _write_config(self) -> None:
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+
+    def _args(self) -> list[str]:
+        return [f"--config.file={self.config_path}", f"--storage.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address=",
+                "--log.level=warn"]
+
+    def alerts(self) -> list[dict]:
+        return json.loads(http_get(f"{self.url}/api/v2/alerts", timeout=10))
+
+
+def alertmanager_config_for_test(base: dict, webhook_url: str, *, group_wait: str = "1s",
+                                 group_interval: str = "2s", repeat_interval: str = "1h") -> dict:
+    """The shipped routing with every webhook pointed at ``webhook_url/<receiver>`` and fast timers.
+
+    Routes, grouping and inhibition stay as shipped, so a test exercises the real routing tree.
+    """
+    cfg = json.loads(json.dumps(base))  # deep copy
+
+    def fast(route: dict) -> None:
+        for key, value in (("group_wait", group_wait), ("group_interval", group_interval),
+                           ("repeat_interval", repeat_interval)):
+            if key in route or route is cfg["route"]:
+                route[key] = value
+        for child in route.get("routes", []):
+            fast(child)
+
+    fast(cfg["route"])
+    for receiver in cfg.get("receivers", []):
+        for hook in receiver.get("webhook_configs", []):
+            hook["url"] = f"{webhook_url.rstrip('/')}/{receiver['name']}"
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# syncwatch stack up
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("stack", help="run Prometheus and Alertmanager locally")
+    sub = p.add_subparsers(dest="stack_command", metavar="ACTION", required=True)
+    up = sub.add_parser("up", help="start Prometheus (+ Alertmanager) on loopback until Ctrl-C")
+    add_flag(up, "--targets", default="127.0.0.1:9477",
+             help="comma-separated daemon host:port list to scrape")
+    add_flag(up, "--prometheus-port", type=int, default=9090, help="Prometheus port (0 = free)")
+    add_flag(up, "--alertmanager-port", type=int, default=9093, help="Alertmanager port (0 = free)")
+    add_flag(up, "--no-alertmanager", action="store_true", help="run Prometheus only")
+    add_flag(up, "--alertmanager-config", type=Path,
+             default=REPO / "deploy" / "alertmanager" / "alertmanager.yml",
+             help="Alertmanager configuration file")
+    add_flag(up, "--scrape-interval", default="5s", help="scrape and rule evaluation interval")
+    add_flag(up, "--time-scale", type=float, default=1.0,
+             help="render the rules with every window scaled by this factor")
+    add_flag(up, "--data-dir", default=None, help="keep Prometheus/Alertmanager data here (default: temporary)")
+    up.set_defaults(func=run_up)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from .rules.render import write
+
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    work = Path(args.data_dir or tempfile.mkdtemp(prefix="sw-stack-"))
+    servers: list[_Server] = []
+    try:
+        rule_files = write(work / "rules", args.time_scale)
+        am = None
+        if not args.no_alertmanager:
+            am = Alertmanager(args.alertmanager_config, workdir=str(work / "alertmanager"))
+            (work / "alertmanager").mkdir(parents=True, exist_ok=True)
+            am.start(port=args.alertmanager_port)
+            servers.append(am)
+        (work / "prometheus").mkdir(parents=True, exist_ok=True)
+        prom = Prometheus(targets, scrape_interval=args.scrape_interval,
+                          evaluation_interval=args.scrape_interval, rule_files=rule_files,
+                          alertmanager_url=am.url if am else None, workdir=str(work / "prometheus"))
+        prom.start(port=args.prometheus_port)
+        servers.append(prom)
+        print(f"prometheus   {prom.url}  (scraping {', '.join(targets)})", flush=True)
+        if am:
+            print(f"alertmanager {am.url}", flush=True)
+        print("Ctrl-C stops.", flush=True)
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+        while not stop:
+            for s in servers:
+                if s.proc.poll() is not None:
+                    print(f"{s.name} exited; log:\n{s.log_tail()}", file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    except (StackError, OSError) as e:
+        print(f"syncwatch stack up: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for s in reversed(servers):
+            s.stop()
+        if not args.data_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
