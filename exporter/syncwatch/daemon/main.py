@@ -9,6 +9,7 @@ import signal
 import sys
 from typing import Sequence
 
+from .. import collectors
 from ..cli import add_flag
 from .app import start_daemon
 from .config import DaemonConfig
@@ -38,6 +39,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(p, "--max-jobs", type=int, default=d["max_jobs"].default,
              help="most jobs tracked; records of further jobs are rejected (job_limit)")
     add_flag(p, "--log-level", default="info", help="debug, info, warning or error")
+    collectors.add_flags(p)
     p.set_defaults(func=run)
     return p
 
@@ -75,7 +77,8 @@ def run(args: argparse.Namespace, extra_collectors: Sequence = ()) -> int:
         logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         config = config_from_args(args)
-        asyncio.run(serve(config, extra_collectors))
+        runner = collectors.runner_from_args(args)  # hardware collectors; None when all are off
+        asyncio.run(serve(config, [*extra_collectors, *([runner] if runner else [])]))
     except (OSError, ValueError) as e:
         print(f"syncwatch daemon: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,209 @@
+"""A fake NVML for machines without GPUs: tests, benchmarks and simulated demos.
+
+It has pynvml's real function names, argument order, return types (ctypes structures such as
+``c_nvmlUtilization_t``, ``c_nvmlFieldValue_t``, ``c_nvmlEventData_t``, device handles of type
+``c_nvmlDevice_t``) and raises pynvml's own ``NVMLError`` subclasses (``pynvml.NVMLError(code)``
+builds the matching one), so ``GpuCollector(nvml=FakeNvml(...))`` runs exactly the code paths it
+runs against the real library. Constants (``NVML_*``, ``nvmlClocksEventReason*``, ...) and error
+classes are pynvml's, looked up on the real module; a function the fake does not implement is an
+``AttributeError``, never a silent call into the real library.
+
+It lives in the package rather than under tests/ so the simulator can feed it (``FakeGpu`` fields
+are plain attributes a simulation may change between cycles, e.g. temperature and throttle reasons
+for a thermal-drift scenario).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass, field
+
+import pynvml
+
+
+@dataclass
+class FakeGpu:
+    uuid: str
+    temperature: int = 45              # celsius
+    memory_temperature: int | None = 50  # None: NOT_SUPPORTED (consumer boards)
+    power_mw: int = 350_000
+    energy_mj: int = 1_000_000_000
+    sm_clock_mhz: int = 1980
+    utilization: int = 95              # percent
+    reasons: int = 0                   # clock-event reason bit mask
+    ecc_corrected: int = 0
+    ecc_uncorrected: int = 0
+    pcie_replays: int = 0
+    error: int | None = None           # NVML error code every call on this GPU raises (e.g. GPU_IS_LOST)
+    not_supported: set[str] = field(default_factory=set)  # function names answering NOT_SUPPORTED
+
+
+def healthy_node(n: int = 8) -> list[FakeGpu]:
+    """``n`` healthy GPUs with stable, distinct UUIDs and slightly different readings."""
+    return [FakeGpu(uuid=f"GPU-{i:08x}-1111-2222-3333-44445555{i:04x}", temperature=40 + i,
+                    power_mw=300_000 + 1000 * i, energy_mj=1_000_000_000 + 1_000_000 * i)
+            for i in range(n)]
+
+
+class FakeNvml:
+    """Stands in for the ``pynvml`` module."""
+
+    def __init__(self, gpus: list[FakeGpu] | None = None, *, init_error: int | None = None):
+        self.gpus = healthy_node() if gpus is None else gpus
+        self.init_error = init_error  # e.g. NVML_ERROR_DRIVER_NOT_LOADED
+        self.initialized = 0
+        self.calls = 0
+        self._structs = [pynvml.struct_c_nvmlDevice_t() for _ in self.gpus]
+        self._events: list[tuple[int, int]] = []  # (gpu index, xid) pending
+        self._hang: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    # --- test controls --------------------------------------------------------------------------
+
+    def hang(self, function: str) -> threading.Event:
+        """Make every call of ``function`` block until the returned event is set (a GPU in D-state)."""
+        gate = threading.Event()
+        self._hang[function] = gate
+        return gate
+
+    def unhang(self) -> None:
+        for gate in self._hang.values():
+            gate.set()
+        self._hang.clear()
+
+    def xid(self, gpu: int, xid: int) -> None:
+        """Queue an XID critical-error event for ``gpu``."""
+        with self._lock:
+            self._events.append((gpu, xid))
+
+    # --- module attributes ----------------------------------------------------------------------
+
+    def __getattr__(self, name: str):
+        value = getattr(pynvml, name)  # AttributeError for unknown names, like the module
+        if callable(value) and not isinstance(value, type):
+            raise AttributeError(f"FakeNvml does not implement {name}")
+        return value
+
+    def _enter(self, function: str, handle=None) -> FakeGpu | None:
+        self.calls += 1
+        gate = self._hang.get(function)
+        if gate is not None:
+            gate.wait()
+        if not self.initialized:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        if handle is None:
+            return None
+        gpu = self.gpus[self._index(handle)]
+        if gpu.error is not None:
+            raise pynvml.NVMLError(gpu.error)
+        if function in gpu.not_supported:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
+    def _index(self, handle) -> int:
+        address = ctypes.addressof(handle.contents)
+        for i, s in enumerate(self._structs):
+            if ctypes.addressof(s) == address:
+                return i
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    # --- pynvml functions -----------------------------------------------------------------------
+
+    def nvmlInit(self):
+        self.calls += 1
+        if self.init_error is not None:
+            raise pynvml.NVMLError(self.init_error)
+        self.initialized += 1
+
+    def nvmlShutdown(self):
+        self._enter("nvmlShutdown")
+        self.initialized -= 1
+
+    def nvmlDeviceGetCount(self):
+        self._enter("nvmlDeviceGetCount")
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        self._enter("nvmlDeviceGetHandleByIndex")
+        if not 0 <= index < len(self.gpus):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if self.gpus[index].error is not None:
+            raise pynvml.NVMLError(self.gpus[index].error)
+        return pynvml.c_nvmlDevice_t(self._structs[index])
+
+    def nvmlDeviceGetIndex(self, handle):
+        self._enter("nvmlDeviceGetIndex")
+        return self._index(handle)
+
+    def nvmlDeviceGetUUID(self, handle):
+        return self._enter("nvmlDeviceGetUUID", handle).uuid
+
+    def nvmlDeviceGetTemperature(self, handle, sensor):
+        gpu = self._enter("nvmlDeviceGetTemperature", handle)
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.temperature
+
+    def nvmlDeviceGetFieldValues(self, handle, fieldIds):
+        gpu = self._enter("nvmlDeviceGetFieldValues", handle)
+        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        for v, fid in zip(values, fieldIds):
+            v.fieldId = fid
+            if fid == pynvml.NVML_FI_DEV_MEMORY_TEMP and gpu.memory_temperature is not None:
+                v.nvmlReturn = pynvml.NVML_SUCCESS
+                v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+                v.value.uiVal = gpu.memory_temperature
+            else:
+                v.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return values
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return self._enter("nvmlDeviceGetPowerUsage", handle).power_mw
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        return self._enter("nvmlDeviceGetTotalEnergyConsumption", handle).energy_mj
+
+    def nvmlDeviceGetClockInfo(self, handle, type):
+        gpu = self._enter("nvmlDeviceGetClockInfo", handle)
+        if type != pynvml.NVML_CLOCK_SM:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu.sm_clock_mhz
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        gpu = self._enter("nvmlDeviceGetUtilizationRates", handle)
+        return pynvml.c_nvmlUtilization_t(gpu=gpu.utilization, memory=gpu.utilization // 2)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+        return self._enter("nvmlDeviceGetCurrentClocksEventReasons", handle).reasons
+
+    def nvmlDeviceGetTotalEccErrors(self, handle, errorType, counterType):
+        gpu = self._enter("nvmlDeviceGetTotalEccErrors", handle)
+        if errorType == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED:
+            return gpu.ecc_corrected
+        return gpu.ecc_uncorrected
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle):
+        return self._enter("nvmlDeviceGetPcieReplayCounter", handle).pcie_replays
+
+    def nvmlEventSetCreate(self):
+        self._enter("nvmlEventSetCreate")
+        return pynvml.c_nvmlEventSet_t(pynvml.struct_c_nvmlEventSet_t())
+
+    def nvmlDeviceRegisterEvents(self, handle, eventTypes, eventSet):
+        self._enter("nvmlDeviceRegisterEvents", handle)
+
+    def nvmlEventSetWait_v2(self, eventSet, timeoutms):
+        self._enter("nvmlEventSetWait_v2")
+        with self._lock:
+            if not self._events:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+            index, xid = self._events.pop(0)
+        data = pynvml.c_nvmlEventData_t()
+        data.device = pynvml.c_nvmlDevice_t(self._structs[index])
+        data.eventType = pynvml.nvmlEventTypeXidCriticalError
+        data.eventData = xid
+        return data
+
+    def nvmlEventSetFree(self, eventSet):
+        self._enter("nvmlEventSetFree")

@@ -1,0 +1,278 @@
+"""GPUs through NVML (pynvml from nvidia-ml-py).
+
+The NVML module is a constructor argument (``nvml=pynvml`` in production, ``FakeNvml`` in tests and
+demos), so everything here is exercised on machines without a GPU.
+
+Failure semantics:
+
+* NVML absent (no library, no driver): ``NoData``, quietly; other init failures are errors. Either
+  way initialization is retried with exponential backoff (10 s doubling to 5 min).
+* A GPU that is lost (``GPU_IS_LOST``), needs a reset (``RESET_REQUIRED``) or times out
+  (``TIMEOUT``) reports ``syncwatch_gpu_up 0`` and none of its values (withdrawn, not frozen);
+  the other GPUs keep reporting.
+* ``NOT_SUPPORTED`` means that one metric is absent for that GPU. Any other NVML error drops that
+  metric and is reported as a collector error.
+* XID errors come from an NVML event set drained without waiting (timeout 0) each cycle and are
+  counted per GPU and XID.
+
+A call that hangs inside the driver is handled by the runner (one worker, per-call timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Callable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .base import CollectorOptions, NoData, register
+
+# NVML clock-event reason bit -> reason label. "thermal" (below) is sw_thermal or hw_thermal.
+THROTTLE_REASONS = (
+    ("gpu_idle", "nvmlClocksEventReasonGpuIdle"),
+    ("applications_clocks", "nvmlClocksEventReasonApplicationsClocksSetting"),
+    ("power_cap", "nvmlClocksEventReasonSwPowerCap"),
+    ("hw_slowdown", "nvmlClocksEventReasonHwSlowdown"),
+    ("sync_boost", "nvmlClocksEventReasonSyncBoost"),
+    ("sw_thermal", "nvmlClocksEventReasonSwThermalSlowdown"),
+    ("hw_thermal", "nvmlClocksEventReasonHwThermalSlowdown"),
+    ("power_brake", "nvmlClocksEventReasonHwPowerBrakeSlowdown"),
+    ("display_clock", "nvmlClocksEventReasonDisplayClockSetting"),
+)
+MAX_EVENTS_PER_CYCLE = 256
+log = logging.getLogger("syncwatch.collectors.gpu")
+
+
+class _GpuDown(Exception):
+    pass
+
+
+class GpuCollector:
+    def __init__(self, nvml=None, *, clock: Callable[[], float] = time.monotonic,
+                 backoff: tuple[float, float] = (10.0, 300.0)):
+        if nvml is None:
+            import pynvml as nvml
+        self.nvml = nvml
+        self.clock = clock
+        self._backoff_min, self._backoff_max = backoff
+        self._backoff = self._backoff_min
+        self._retry_at = 0.0
+        self._init_failure: Exception | None = None
+        self._ready = False
+        self._events = None
+        self._uuids: dict[int, str] = {}
+        self._xids: Counter[tuple[int, int]] = Counter()
+        self._down_gpus: set[int] = set()
+        nv = nvml
+        self._down = {nv.NVML_ERROR_GPU_IS_LOST, nv.NVML_ERROR_RESET_REQUIRED, nv.NVML_ERROR_TIMEOUT}
+        self._absent = {nv.NVML_ERROR_LIBRARY_NOT_FOUND, nv.NVML_ERROR_DRIVER_NOT_LOADED,
+                        nv.NVML_ERROR_FUNCTION_NOT_FOUND}
+        self._reasons = [(label, getattr(nv, const)) for label, const in THROTTLE_REASONS]
+        self._thermal = nv.nvmlClocksEventReasonSwThermalSlowdown | nv.nvmlClocksEventReasonHwThermalSlowdown
+
+    # --- NVML lifecycle -------------------------------------------------------------------------
+
+    def _ensure_ready(self) -> None:
+        if self._ready:
+            return
+        now = self.clock()
+        if now < self._retry_at:  # fresh exceptions: re-raising one instance grows its traceback
+            if isinstance(self._init_failure, NoData):
+                raise NoData(str(self._init_failure))
+            raise RuntimeError(f"NVML unavailable ({self._init_failure}); retry in {self._retry_at - now:.0f}s")
+        nv = self.nvml
+        try:
+            nv.nvmlInit()
+        except nv.NVMLError as e:
+            self._retry_at = now + self._backoff
+            self._backoff = min(self._backoff * 2, self._backoff_max)
+            self._init_failure = NoData(f"NVML absent: {e}") if e.value in self._absent else e
+            if isinstance(self._init_failure, NoData):
+                raise self._init_failure from None
+            raise RuntimeError(f"nvmlInit failed: {e}") from None
+        self._ready = True
+        self._backoff = self._backoff_min
+        self._init_failure = None
+        self._events = None
+        try:
+            events = nv.nvmlEventSetCreate()
+            for i in range(nv.nvmlDeviceGetCount()):
+                try:
+                    nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(i),
+                                                nv.nvmlEventTypeXidCriticalError, events)
+                except nv.NVMLError:
+                    pass  # XIDs unsupported or GPU already gone: its XIDs are not counted
+            self._events = events
+        except nv.NVMLError:
+            self._events = None
+
+    def close(self) -> None:
+        if not self._ready:
+            return
+        nv = self.nvml
+        self._ready = False
+        try:
+            if self._events is not None:
+                nv.nvmlEventSetFree(self._events)
+            nv.nvmlShutdown()
+        except nv.NVMLError:
+            pass
+        self._events = None
+
+    # --- one cycle ----------------------------------------------------------------------------
+
+    def update(self, errors: list[str]):
+        self._ensure_ready()
+        nv = self.nvml
+        try:
+            count = nv.nvmlDeviceGetCount()
+        except nv.NVMLError as e:
+            self.close()  # re-initialize next cycle
+            raise RuntimeError(f"nvmlDeviceGetCount failed: {e}") from None
+
+        gu = ["gpu", "uuid"]
+        up = GaugeMetricFamily("syncwatch_gpu_up", "1 while the GPU answers NVML, 0 when lost, timed "
+                               "out or needing a reset.", labels=gu)
+        gauges = {
+            "temperature": GaugeMetricFamily("syncwatch_gpu_temperature_celsius", "GPU core temperature.", labels=gu),
+            "memory_temperature": GaugeMetricFamily("syncwatch_gpu_memory_temperature_celsius",
+                                                    "GPU memory (HBM) temperature.", labels=gu),
+            "power": GaugeMetricFamily("syncwatch_gpu_power_watts", "GPU power draw.", labels=gu),
+            "sm_clock": GaugeMetricFamily("syncwatch_gpu_sm_clock_hertz", "Current SM clock.", labels=gu),
+            "utilization": GaugeMetricFamily("syncwatch_gpu_utilization_ratio",
+                                             "Share of the last sample period a kernel was running.", labels=gu),
+        }
+        energy = CounterMetricFamily("syncwatch_gpu_energy_joules", "Energy consumed since the driver loaded.",
+                                     labels=gu)
+        throttle = GaugeMetricFamily("syncwatch_gpu_throttle_active",
+                                     "1 while the clock-event (throttle) reason is active. 'thermal' is "
+                                     "sw_thermal or hw_thermal: aggregate with max, not sum.",
+                                     labels=[*gu, "reason"])
+        ecc = CounterMetricFamily("syncwatch_gpu_ecc_errors", "Volatile ECC errors by type.",
+                                  labels=[*gu, "type"])
+        replays = CounterMetricFamily("syncwatch_gpu_pcie_replays", "PCIe replays.", labels=gu)
+
+        for i in range(count):
+            try:
+                uuid, values = self._read_gpu(i, errors)
+            except _GpuDown as e:
+                # A hardware state, not a collector failure: syncwatch_gpu_up says it.
+                up.add_metric([str(i), self._uuids.get(i, "")], 0)
+                if i not in self._down_gpus:
+                    log.warning("gpu %d (%s) is down: %s", i, self._uuids.get(i, "?"), e)
+                    self._down_gpus.add(i)
+                continue
+            self._down_gpus.discard(i)
+            labels = [str(i), uuid]
+            up.add_metric(labels, 1)
+            for key, fam in gauges.items():
+                if values.get(key) is not None:
+                    fam.add_metric(labels, values[key])
+            if values.get("energy") is not None:
+                energy.add_metric(labels, values["energy"])
+            mask = values.get("reasons")
+            if mask is not None:
+                for label, bit in self._reasons:
+                    throttle.add_metric([*labels, label], 1 if mask & bit else 0)
+                throttle.add_metric([*labels, "thermal"], 1 if mask & self._thermal else 0)
+            for kind in ("corrected", "uncorrected"):
+                if values.get(kind) is not None:
+                    ecc.add_metric([*labels, kind], values[kind])
+            if values.get("replays") is not None:
+                replays.add_metric(labels, values["replays"])
+
+        self._drain_xids(errors)
+        xids = CounterMetricFamily("syncwatch_gpu_xid_errors", "XID critical errors reported by the driver.",
+                                   labels=[*gu, "xid"])
+        for (i, xid), n in sorted(self._xids.items()):
+            xids.add_metric([str(i), self._uuids.get(i, ""), str(xid)], n)
+        return [up, *gauges.values(), energy, throttle, ecc, replays, xids]
+
+    def _read_gpu(self, i: int, errors: list[str]):
+        nv = self.nvml
+
+        def call(what, fn, *args):
+            try:
+                return fn(*args)
+            except nv.NVMLError as e:
+                if e.value == nv.NVML_ERROR_NOT_SUPPORTED:
+                    return None
+                if e.value in self._down:
+                    raise _GpuDown(f"{what}: {e}") from None
+                errors.append(f"gpu {i} {what}: {e}")
+                return None
+
+        try:
+            handle = nv.nvmlDeviceGetHandleByIndex(i)
+        except nv.NVMLError as e:
+            raise _GpuDown(f"nvmlDeviceGetHandleByIndex: {e}") from None
+        uuid = self._uuids.get(i)
+        if uuid is None:
+            uuid = call("uuid", nv.nvmlDeviceGetUUID, handle)
+            if uuid is None:
+                raise _GpuDown("no UUID")
+            self._uuids[i] = uuid
+        v: dict[str, float | int | None] = {}
+        v["temperature"] = call("temperature", nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU)
+        v["memory_temperature"] = self._field(call, handle, nv.NVML_FI_DEV_MEMORY_TEMP)
+        mw = call("power", nv.nvmlDeviceGetPowerUsage, handle)
+        v["power"] = None if mw is None else mw / 1000
+        mj = call("energy", nv.nvmlDeviceGetTotalEnergyConsumption, handle)
+        v["energy"] = None if mj is None else mj / 1000
+        mhz = call("sm clock", nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_SM)
+        v["sm_clock"] = None if mhz is None else mhz * 1_000_000
+        util = call("utilization", nv.nvmlDeviceGetUtilizationRates, handle)
+        v["utilization"] = None if util is None else util.gpu / 100
+        v["reasons"] = call("clock event reasons", nv.nvmlDeviceGetCurrentClocksEventReasons, handle)
+        v["corrected"] = call("ecc", nv.nvmlDeviceGetTotalEccErrors, handle,
+                              nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC)
+        v["uncorrected"] = call("ecc", nv.nvmlDeviceGetTotalEccErrors, handle,
+                                nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
+        v["replays"] = call("pcie replays", nv.nvmlDeviceGetPcieReplayCounter, handle)
+        return uuid, v
+
+    def _field(self, call, handle, field_id):
+        """One NVML field value; a per-field return code is treated like a call's error."""
+        nv = self.nvml
+        values = call("field values", nv.nvmlDeviceGetFieldValues, handle, [field_id])
+        if values is None:
+            return None
+        fv = values[0]
+        if fv.nvmlReturn != nv.NVML_SUCCESS:
+            return call(f"field {field_id}", _raise, nv.NVMLError(fv.nvmlReturn))
+        kind = {nv.NVML_VALUE_TYPE_DOUBLE: "dVal", nv.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+                nv.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal", nv.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+                nv.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal", nv.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+                nv.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal"}.get(fv.valueType)
+        return None if kind is None else getattr(fv.value, kind)
+
+    def _drain_xids(self, errors: list[str]) -> None:
+        """Count pending XID events without waiting (timeout 0 answers NVML_ERROR_TIMEOUT when empty)."""
+        nv = self.nvml
+        if self._events is None:
+            return
+        for _ in range(MAX_EVENTS_PER_CYCLE):
+            try:
+                data = nv.nvmlEventSetWait_v2(self._events, 0)
+            except nv.NVMLError as e:
+                if e.value != nv.NVML_ERROR_TIMEOUT:
+                    errors.append(f"xid events: {e}")
+                return
+            if data.eventType != nv.nvmlEventTypeXidCriticalError:
+                continue
+            try:
+                index = nv.nvmlDeviceGetIndex(data.device)
+            except nv.NVMLError:
+                continue
+            self._xids[(index, int(data.eventData))] += 1
+
+
+def _raise(e: Exception):
+    raise e
+
+
+@register("gpu", default=True, help="NVIDIA GPUs through NVML (temperatures, power, clocks, throttling, errors)")
+def _make(options: CollectorOptions) -> GpuCollector:
+    return GpuCollector()

@@ -1,0 +1,236 @@
+"""GPU collector against the fake NVML (pynvml's names, types and NVMLError codes) and the real
+pynvml of this machine (no driver: NVML absent)."""
+
+from __future__ import annotations
+
+import logging
+
+import pynvml
+import pytest
+
+from collector_helpers import check_golden, promtool_check, registry_of, render
+from syncwatch.collectors import CollectorRunner, NoData
+from syncwatch.collectors.fake_nvml import FakeNvml, healthy_node
+from syncwatch.collectors.gpu import GpuCollector
+
+N = pynvml
+UUID3 = healthy_node()[3].uuid
+
+
+def labels(i: int, **extra) -> dict[str, str]:
+    return {"gpu": str(i), "uuid": healthy_node()[i].uuid, **extra}
+
+
+def key(i: int, **extra) -> tuple:
+    """``labels`` as a hashable key for the case tables."""
+    return tuple(labels(i, **extra).items())
+
+
+def cycle(collector: GpuCollector):
+    errors: list[str] = []
+    families = [f for f in collector.update(errors) if f.samples]
+    return registry_of(families), errors, families
+
+
+def thermal(fake: FakeNvml) -> None:
+    g = fake.gpus[5]
+    g.temperature, g.sm_clock_mhz = 91, 1410
+    g.reasons = N.nvmlClocksEventReasonSwThermalSlowdown | N.nvmlClocksEventReasonHwThermalSlowdown
+
+
+def lost(code: int):
+    def mutate(fake: FakeNvml) -> None:
+        fake.gpus[3].error = code
+    return mutate
+
+
+def unsupported(fake: FakeNvml) -> None:
+    for g in fake.gpus:
+        g.memory_temperature = None  # per-field NOT_SUPPORTED inside nvmlDeviceGetFieldValues
+        g.not_supported |= {"nvmlDeviceGetPcieReplayCounter", "nvmlDeviceGetTotalEccErrors"}
+
+
+def no_permission_on_power(fake: FakeNvml) -> None:
+    fake.gpus[1].error = None
+    fake.gpus[1].not_supported.clear()
+    original = fake.nvmlDeviceGetPowerUsage
+
+    def power(handle):
+        if fake._index(handle) == 1:
+            raise N.NVMLError(N.NVML_ERROR_NO_PERMISSION)
+        return original(handle)
+    fake.nvmlDeviceGetPowerUsage = power
+
+
+# name, mutation applied after a first healthy cycle, expected samples (None = absent), errors
+CASES = [
+    ("healthy", None, {
+        ("syncwatch_gpu_up", key(0)): 1,
+        ("syncwatch_gpu_temperature_celsius", key(7)): 47,
+        ("syncwatch_gpu_memory_temperature_celsius", key(0)): 50,
+        ("syncwatch_gpu_power_watts", key(2)): 302.0,
+        ("syncwatch_gpu_energy_joules_total", key(1)): 1_001_000.0,
+        ("syncwatch_gpu_sm_clock_hertz", key(0)): 1980e6,
+        ("syncwatch_gpu_utilization_ratio", key(0)): 0.95,
+        ("syncwatch_gpu_throttle_active", key(0, reason="thermal")): 0,
+        ("syncwatch_gpu_ecc_errors_total", key(0, type="uncorrected")): 0,
+        ("syncwatch_gpu_pcie_replays_total", key(0)): 0,
+    }, 0),
+    ("thermal_throttling", thermal, {
+        ("syncwatch_gpu_throttle_active", key(5, reason="thermal")): 1,
+        ("syncwatch_gpu_throttle_active", key(5, reason="sw_thermal")): 1,
+        ("syncwatch_gpu_throttle_active", key(5, reason="hw_thermal")): 1,
+        ("syncwatch_gpu_throttle_active", key(5, reason="power_cap")): 0,
+        ("syncwatch_gpu_throttle_active", key(4, reason="thermal")): 0,
+        ("syncwatch_gpu_sm_clock_hertz", key(5)): 1410e6,
+        ("syncwatch_gpu_temperature_celsius", key(5)): 91,
+    }, 0),
+    ("gpu_lost_mid_run", lost(N.NVML_ERROR_GPU_IS_LOST), {
+        ("syncwatch_gpu_up", key(3)): 0,  # keeps its uuid from the earlier cycle
+        ("syncwatch_gpu_temperature_celsius", key(3)): None,  # withdrawn, not frozen
+        ("syncwatch_gpu_power_watts", key(3)): None,
+        ("syncwatch_gpu_up", key(4)): 1,
+        ("syncwatch_gpu_temperature_celsius", key(4)): 44,
+    }, 0),
+    ("reset_required", lost(N.NVML_ERROR_RESET_REQUIRED), {
+        ("syncwatch_gpu_up", key(3)): 0, ("syncwatch_gpu_energy_joules_total", key(3)): None,
+        ("syncwatch_gpu_up", key(2)): 1}, 0),
+    ("nvml_timeout", lost(N.NVML_ERROR_TIMEOUT), {
+        ("syncwatch_gpu_up", key(3)): 0, ("syncwatch_gpu_sm_clock_hertz", key(3)): None}, 0),
+    ("not_supported", unsupported, {
+        ("syncwatch_gpu_memory_temperature_celsius", key(0)): None,
+        ("syncwatch_gpu_pcie_replays_total", key(0)): None,
+        ("syncwatch_gpu_ecc_errors_total", key(0, type="corrected")): None,
+        ("syncwatch_gpu_temperature_celsius", key(0)): 40,
+        ("syncwatch_gpu_up", key(0)): 1}, 0),
+    ("other_error_drops_one_metric", no_permission_on_power, {
+        ("syncwatch_gpu_power_watts", key(1)): None,
+        ("syncwatch_gpu_temperature_celsius", key(1)): 41,
+        ("syncwatch_gpu_up", key(1)): 1}, 1),
+]
+
+
+@pytest.mark.parametrize("name,mutate,expected,n_errors", CASES, ids=[c[0] for c in CASES])
+def test_gpu_cases(name, mutate, expected, n_errors):
+    fake = FakeNvml(healthy_node(8))
+    collector = GpuCollector(nvml=fake)
+    _, errors, _ = cycle(collector)
+    assert errors == []
+    if mutate is not None:
+        mutate(fake)
+    reg, errors, families = cycle(collector)
+    assert len(errors) == n_errors, errors
+    for (metric, lbl), value in expected.items():
+        assert reg.get_sample_value(metric, dict(lbl)) == value, (metric, lbl)
+    text = render(families)
+    check_golden(f"gpu_{name}", text)
+    if name == "gpu_lost_mid_run":
+        assert text.count(UUID3) == 1  # only the up series remains for the lost GPU
+
+
+def test_lost_gpu_comes_back():
+    fake = FakeNvml()
+    collector = GpuCollector(nvml=fake)
+    cycle(collector)
+    fake.gpus[3].error = N.NVML_ERROR_GPU_IS_LOST
+    assert cycle(collector)[0].get_sample_value("syncwatch_gpu_up", labels(3)) == 0
+    fake.gpus[3].error = None
+    reg = cycle(collector)[0]
+    assert reg.get_sample_value("syncwatch_gpu_up", labels(3)) == 1
+    assert reg.get_sample_value("syncwatch_gpu_temperature_celsius", labels(3)) == 43
+
+
+def test_xid_events_are_counted_per_gpu_and_xid():
+    fake = FakeNvml()
+    collector = GpuCollector(nvml=fake)
+    cycle(collector)
+    fake.xid(3, 79)
+    fake.xid(3, 79)
+    fake.xid(0, 13)
+    reg, _, families = cycle(collector)
+    assert reg.get_sample_value("syncwatch_gpu_xid_errors_total", labels(3, xid="79")) == 2
+    assert reg.get_sample_value("syncwatch_gpu_xid_errors_total", labels(0, xid="13")) == 1
+    check_golden("gpu_xid_errors", render([f for f in families if f.name == "syncwatch_gpu_xid_errors"]))
+    reg = cycle(collector)[0]  # counters persist, no double counting
+    assert reg.get_sample_value("syncwatch_gpu_xid_errors_total", labels(3, xid="79")) == 2
+
+
+def test_labels_match_rank_info_format():
+    """gpu = NVML index as a decimal string, uuid = NVML's 'GPU-...' string (as in rank_info)."""
+    families = cycle(GpuCollector(nvml=FakeNvml()))[2]
+    for fam in families:
+        for s in fam.samples:
+            assert s.labels["gpu"].isdigit()
+            assert s.labels["uuid"].startswith("GPU-")
+
+
+def test_real_nvml_absent_is_quiet_no_data():
+    """This machine has no GPU driver: the real nvmlInit() raises NVMLError_LibraryNotFound."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError_LibraryNotFound:
+        pass
+    else:
+        pynvml.nvmlShutdown()
+        pytest.skip("this machine has NVML: the absent case cannot be tested here")
+    collector = GpuCollector()  # the real pynvml
+    with pytest.raises(NoData):
+        collector.update([])
+    runner = CollectorRunner({"gpu": collector})
+    runner.run_once()
+    reg = registry_of(runner.collect())
+    assert reg.get_sample_value("syncwatch_collector_success", {"collector": "gpu"}) == 1
+    assert not [f for f in runner.collect() if f.name.startswith("syncwatch_gpu")]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_init_retries_with_backoff():
+    clock = Clock()
+    fake = FakeNvml(init_error=N.NVML_ERROR_DRIVER_NOT_LOADED)
+    collector = GpuCollector(nvml=fake, clock=clock, backoff=(10, 40))
+    attempts = []
+    for step in range(12):  # one update every 5 s for a minute
+        calls = fake.calls
+        with pytest.raises(NoData):
+            collector.update([])
+        if fake.calls > calls:
+            attempts.append(clock.t - 1000)
+        clock.t += 5
+    assert attempts == [0, 10, 30]  # backoff 10, 20, then 40 s (next at 70)
+    fake.init_error = None
+    clock.t = 1070
+    assert cycle(collector)[0].get_sample_value("syncwatch_gpu_up", labels(0)) == 1
+
+
+def test_init_failure_other_than_absent_is_an_error(caplog):
+    fake = FakeNvml(init_error=N.NVML_ERROR_NO_PERMISSION)
+    runner = CollectorRunner({"gpu": GpuCollector(nvml=fake)})
+    with caplog.at_level(logging.ERROR, logger="syncwatch.collectors"):
+        runner.run_once()
+    reg = registry_of(runner.collect())
+    assert reg.get_sample_value("syncwatch_collector_success", {"collector": "gpu"}) == 0
+    assert "Insufficient Permissions" in caplog.text
+
+
+def test_nvml_failing_after_init_reinitializes():
+    clock = Clock()
+    fake = FakeNvml()
+    collector = GpuCollector(nvml=fake, clock=clock)
+    cycle(collector)
+    fake.initialized = 0  # driver unloaded under us: every call answers UNINITIALIZED
+    with pytest.raises(RuntimeError, match="nvmlDeviceGetCount"):
+        collector.update([])
+    assert cycle(collector)[0].get_sample_value("syncwatch_gpu_up", labels(0)) == 1
+    assert fake.initialized == 1
+
+
+def test_golden_gpu_files_pass_promtool():
+    text = render(cycle(GpuCollector(nvml=FakeNvml()))[2])
+    promtool_check(text)

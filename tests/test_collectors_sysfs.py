@@ -1,0 +1,262 @@
+"""Net and InfiniBand/RoCE collectors against sysfs fixture trees, golden expositions, and the real
+/sys/class/net of this machine. Fixture trees: tests/fixtures/make_sysfs.py; goldens regenerate with
+SYNCWATCH_UPDATE_GOLDEN=1."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+import pytest
+
+from collector_helpers import FIXTURES, GOLDEN, check_golden, promtool_check, registry_of, render
+from syncwatch.collectors import NoData
+from syncwatch.collectors.infiniband import InfinibandCollector, parse_rate
+from syncwatch.collectors.net import NetCollector
+from syncwatch.collectors.sysfs import Absent, Unreadable, read_int, read_text
+
+SYSFS = FIXTURES / "sysfs"
+
+
+def collect(root) -> tuple[list, list[str]]:
+    errors: list[str] = []
+    families = []
+    for c in (NetCollector(str(root)), InfinibandCollector(str(root))):
+        families += [f for f in c.update(errors) if f.samples]
+    return families, errors
+
+
+@pytest.fixture
+def tree():
+    """A private copy of a fixture tree, traversable by an unprivileged user."""
+    made = []
+
+    def copy(scenario: str):
+        d = tempfile.mkdtemp(prefix="sw-sysfs-")
+        os.chmod(d, 0o755)
+        dst = os.path.join(d, "sys")
+        shutil.copytree(SYSFS / scenario, dst, symlinks=True)
+        made.append(d)
+        return dst
+    yield copy
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# scenario -> substrings that must each appear in exactly the reported errors (none = clean)
+COMMITTED = {
+    "healthy": [],
+    "congested": [],
+    "link_flapping": [],
+    "missing_counters": [],
+    "garbage": ["eno1/statistics/rx_bytes: not an integer", "eno1/carrier_changes: not an integer",
+                "ens1f0np0/speed: not an integer", "counters/port_xmit_wait: not an integer",
+                "mlx5_0/ports/1/rate: unparsable rate", "hw_counters/np_cnp_sent: not an integer"],
+}
+
+
+def assert_errors(errors: list[str], expected: list[str]) -> None:
+    assert len(errors) == len(expected), errors
+    for needle in expected:
+        assert any(needle in e for e in errors), (needle, errors)
+
+
+@pytest.mark.parametrize("scenario", sorted(COMMITTED))
+def test_fixture_scenario_matches_golden(scenario):
+    families, errors = collect(SYSFS / scenario)
+    assert_errors(errors, COMMITTED[scenario])
+    check_golden(f"sysfs_{scenario}", render(families))
+
+
+def test_healthy_values_and_units():
+    reg = registry_of(collect(SYSFS / "healthy")[0])
+    v = reg.get_sample_value
+    assert v("syncwatch_nic_speed_bytes", {"device": "ens1f0np0"}) == 200_000 * 1e6 / 8
+    assert v("syncwatch_nic_speed_bytes", {"device": "eno1"}) == 125e6
+    assert v("syncwatch_nic_up", {"device": "eno1"}) == 1
+    assert v("syncwatch_nic_receive_bytes_total", {"device": "eno1"}) == 81_223_004
+    assert v("syncwatch_nic_receive_bytes_total", {"device": "lo"}) is None  # excluded by default
+    ib = {"device": "mlx5_0", "port": "1"}
+    assert v("syncwatch_ib_port_data_bytes_total", {**ib, "direction": "transmit"}) == 2_503_104_811_520 * 4
+    assert v("syncwatch_ib_port_data_bytes_total", {**ib, "direction": "receive"}) == 2_498_775_012_864 * 4
+    assert v("syncwatch_ib_port_rate_bytes", ib) == 25e9
+    assert v("syncwatch_ib_port_up", ib) == 1
+    assert v("syncwatch_roce_cnp_sent_total", ib) is None  # IB port: no hw_counters
+    assert v("syncwatch_roce_cnp_sent_total", {"device": "mlx5_1", "port": "1"}) == 0
+
+
+def test_congested_shows_congestion_signals():
+    reg = registry_of(collect(SYSFS / "congested")[0])
+    v = reg.get_sample_value
+    roce = {"device": "mlx5_1", "port": "1"}
+    assert v("syncwatch_roce_cnp_sent_total", roce) == 8_812_004
+    assert v("syncwatch_roce_cnp_handled_total", roce) == 7_990_312
+    assert v("syncwatch_roce_ecn_marked_total", roce) == 12_030_455
+    assert v("syncwatch_roce_out_of_sequence_total", roce) == 40_213
+    assert v("syncwatch_roce_retransmits_total", {**roce, "reason": "ack_timeout"}) == 1_022
+    assert v("syncwatch_roce_retransmits_total", {**roce, "reason": "nak_sequence"}) == 3_981
+    assert v("syncwatch_ib_port_xmit_wait_total", {"device": "mlx5_0", "port": "1"}) == 9_812_334_551
+    assert v("syncwatch_ib_buffer_overrun_errors_total", {"device": "mlx5_0", "port": "1"}) == 3
+    assert v("syncwatch_nic_drops_total", {"device": "ens1f0np0", "direction": "receive"}) == 18_402
+
+
+def test_link_flapping():
+    reg = registry_of(collect(SYSFS / "link_flapping")[0])
+    v = reg.get_sample_value
+    assert v("syncwatch_nic_carrier_changes_total", {"device": "ens1f0np0"}) == 47
+    assert v("syncwatch_nic_up", {"device": "ens1f0np0"}) == 0
+    assert v("syncwatch_nic_speed_bytes", {"device": "ens1f0np0"}) is None  # speed -1: unknown
+    assert v("syncwatch_nic_errors_total", {"device": "ens1f0np0", "direction": "receive"}) == 1_204
+    ib = {"device": "mlx5_0", "port": "1"}
+    assert v("syncwatch_ib_port_up", ib) == 0
+    assert v("syncwatch_ib_link_downed_total", ib) == 23
+    assert v("syncwatch_ib_symbol_errors_total", ib) == 65_535
+    assert v("syncwatch_ib_link_integrity_errors_total", ib) == 17
+    assert v("syncwatch_ib_port_rcv_errors_total", ib) == 4_410
+
+
+def test_missing_counters_drop_only_their_series():
+    reg = registry_of(collect(SYSFS / "missing_counters")[0])
+    v = reg.get_sample_value
+    assert v("syncwatch_nic_carrier_changes_total", {"device": "eno1"}) is None
+    assert v("syncwatch_nic_drops_total", {"device": "eno1", "direction": "receive"}) is None
+    assert v("syncwatch_nic_receive_bytes_total", {"device": "eno1"}) is not None
+    ib = {"device": "mlx5_0", "port": "1"}  # N/A (no PMA): no counters, but state and rate
+    assert v("syncwatch_ib_port_xmit_wait_total", ib) is None
+    assert v("syncwatch_ib_port_up", ib) == 1
+    text = render(collect(SYSFS / "missing_counters")[0])
+    assert "eth9" not in text and "mlx5_2" not in text  # vanished / port-less devices
+
+
+def test_fifo_in_place_of_counters_never_blocks(tree):
+    root = tree("healthy")
+    fifos = [os.path.join(root, "class/net/eno1/statistics/rx_bytes"),
+             os.path.join(root, "class/infiniband/mlx5_1/ports/1/hw_counters/np_cnp_sent")]
+    for path in fifos:
+        os.unlink(path)
+        os.mkfifo(path)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(out=collect(root)), daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "a FIFO blocked the collector"
+    families, errors = result["out"]
+    assert_errors(errors, ["eno1/statistics/rx_bytes: not a regular file", "np_cnp_sent: not a regular file"])
+    check_golden("sysfs_fifo", render(families))
+
+
+def _collect_unprivileged(root: str) -> tuple[str, list[str]]:
+    """Run the collectors in a forked child that dropped root (root ignores file modes)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            os.setgid(65534)
+            os.setuid(65534)
+            families, errors = collect(root)
+            with os.fdopen(w, "w") as f:
+                json.dump({"text": render(families), "errors": errors}, f)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, data
+    out = json.loads(data)
+    return out["text"], out["errors"]
+
+
+def test_permission_denied_is_reported_and_drops_only_that_series(tree):
+    root = tree("healthy")
+    denied = [os.path.join(root, "class/net/ens1f0np0/statistics/tx_bytes"),
+              os.path.join(root, "class/infiniband/mlx5_0/ports/1/counters/symbol_error")]
+    for path in denied:
+        os.chmod(path, 0)
+    if os.geteuid() == 0:
+        text, errors = _collect_unprivileged(root)
+    else:
+        families, errors = collect(root)
+        text = render(families)
+    assert_errors(errors, ["ens1f0np0/statistics/tx_bytes: Permission denied",
+                           "counters/symbol_error: Permission denied"])
+    check_golden("sysfs_permission_denied", text)
+
+
+def test_absent_tree_is_quiet_no_data(tmp_path):
+    for c in (NetCollector(str(tmp_path)), InfinibandCollector(str(tmp_path))):
+        with pytest.raises(NoData):
+            c.update([])
+
+
+def test_real_sys_class_net_reads_without_error():
+    if not os.path.isdir("/sys/class/net"):
+        pytest.skip("no /sys/class/net on this machine")
+    errors: list[str] = []
+    families = NetCollector("/sys", exclude="").update(errors)
+    assert errors == []
+    reg = registry_of([f for f in families if f.samples])
+    for dev in os.listdir("/sys/class/net"):
+        assert reg.get_sample_value("syncwatch_nic_receive_bytes_total", {"device": dev}) is not None, dev
+    promtool_check(render([f for f in families if f.samples]))
+
+
+@pytest.mark.parametrize("golden", sorted(p.name for p in GOLDEN.glob("*.prom")) or ["(none)"])
+def test_promtool_accepts_every_golden_file(golden):
+    assert golden != "(none)", "no golden files: run with SYNCWATCH_UPDATE_GOLDEN=1"
+    promtool_check((GOLDEN / golden).read_text())
+
+
+# --- the reader itself ---------------------------------------------------------------------------
+
+def test_reader_rejects_fifo_without_writer_promptly(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    start = time.monotonic()
+    with pytest.raises(Unreadable, match="not a regular file"):
+        read_text(str(fifo))
+    assert time.monotonic() - start < 1
+
+
+def test_reader_classifies_outcomes(tmp_path):
+    (tmp_path / "n").write_text("42\n")
+    (tmp_path / "pma").write_text("N/A (no PMA)\n")
+    (tmp_path / "bad").write_text("4 2\n")
+    assert read_int(str(tmp_path / "n")) == 42
+    with pytest.raises(Absent):
+        read_int(str(tmp_path / "pma"))
+    with pytest.raises(Absent):
+        read_int(str(tmp_path / "gone"))
+    with pytest.raises(Unreadable, match="not an integer"):
+        read_int(str(tmp_path / "bad"))
+    with pytest.raises(Unreadable, match="not a regular file"):
+        read_text("/dev/zero")  # would never end if read as a file
+    with pytest.raises(Unreadable, match="not a regular file"):
+        read_text(str(tmp_path))
+
+
+def test_reader_einval_is_absent():
+    """A down link's speed answers EINVAL in real sysfs (ifb/lo here): quiet, not an error."""
+    for dev in sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []:
+        try:
+            open(f"/sys/class/net/{dev}/speed").read()
+        except OSError as e:
+            if e.errno == 22:
+                with pytest.raises(Absent):
+                    read_int(f"/sys/class/net/{dev}/speed")
+                return
+    pytest.skip("no interface answering EINVAL for speed on this machine")
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("200 Gb/sec (4X HDR)", 25e9), ("400 Gb/sec (4X NDR)", 50e9), ("2.5 Gb/sec (1X SDR)", 312.5e6),
+    ("56 Gb/sec (4X FDR)", 7e9), ("100 Mb/sec", 12.5e6)])
+def test_parse_rate(text, expected):
+    assert parse_rate(text) == expected
