@@ -41,4 +41,4 @@ def test_command_line_is_accepted(where, argv):
 
 def test_a_wrong_flag_is_rejected():
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["daemon", "--path.sysf=/host/sys"])
+        build_parser().parse_args(["daemon", "--path.sysfz=/host/sys"])
