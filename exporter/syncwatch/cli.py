@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "project": "syncwatch.analysis.project",
     "report": "syncwatch.analysis.report",
     "rules": "syncwatch.rules.main",
+    "run": "syncwatch.instrument.run",
     "stack": "syncwatch.stack",
 }
 

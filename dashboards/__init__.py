@@ -1,0 +1,1 @@
+"""syncwatch Grafana dashboards as code (grafana-foundation-sdk); see docs/dashboards.md."""

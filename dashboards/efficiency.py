@@ -1,0 +1,121 @@
+"""Efficiency and cost: is scaling still paying?"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import stat, timeseries
+
+from .common import (JOB, RATE, RERUN_RATIO, dashboard, legend_table, panel, query, thresholds,
+                     train_job_variable, unit_override)
+
+UID = "syncwatch-efficiency"
+
+
+def _per_rank_gpu(expr: str) -> str:
+    """A GPU expression (labels uuid, ...) joined to the job's ranks through the GPU uuid each rank
+    reports: one series per rank with labels train_job, rank."""
+    return (f'({expr} * on (uuid) group_right () '
+            f'topk by (train_job, rank) (1, syncwatch_rank_info{{{JOB}}}))')
+
+
+def _energy_rate(window: str) -> str:
+    """Watts drawn by each rank's GPU over ``window``."""
+    return _per_rank_gpu(f'rate(syncwatch_gpu_energy_joules_total[{window}])')
+
+
+def _waiting_watts(window: str) -> str:
+    """Watts of the job's GPUs spent idle at barriers: each rank's GPU power times its slack share."""
+    slack_share = (f'(rate(syncwatch_slack_seconds_total{{{JOB}}}[{window}])'
+                   f' / rate(syncwatch_step_seconds_total{{{JOB}}}[{window}]))')
+    return (f'sum by (train_job) ({slack_share} * on (train_job, rank) group_left () '
+            f'sum by (train_job, rank) ({_energy_rate(window)}))')
+
+
+def build() -> db.Dashboard:
+    samples = f'syncwatch_samples_total{{{JOB}}}[{RATE}]'
+    per_gpu = f'sum by (train_job) (rate({samples})) / count by (train_job) (rate({samples}))'
+    return (
+        dashboard(UID, "syncwatch / Efficiency and cost",
+                  "Is scaling still paying? Per-GPU output against its baseline, energy per sample, "
+                  "energy burned at barriers, re-run work and checkpoint time.",
+                  train_job_variable())
+        .with_row(db.Row("Output per GPU"))
+        .with_panel(
+            panel(stat.Panel(), "Efficiency against baseline",
+                  "Per-GPU throughput now divided by its trailing baseline. 100 % = each GPU still "
+                  "produces what it did; below 90 % the job pays for GPUs that wait.",
+                  query(f'train_job:syncwatch_efficiency:ratio_to_baseline{{{JOB}}}', "{{train_job}}"),
+                  unit="percentunit", w=6)
+            .thresholds(thresholds((None, "red"), (0.8, "orange"), (0.9, "green"))))
+        .with_panel(
+            panel(timeseries.Panel(), "Per-GPU efficiency against baseline",
+                  "The same ratio over time. A step down at a scale-up means the new size does not "
+                  "pay; a slow slide means coupling grows (see Job overview).",
+                  query(f'train_job:syncwatch_efficiency:ratio_to_baseline{{{JOB}}}', "efficiency"),
+                  unit="percentunit", w=9)
+            .min(0))
+        .with_panel(
+            panel(timeseries.Panel(), "Throughput per GPU against its baseline",
+                  "Samples per second per GPU now, and the trailing baseline the efficiency ratio "
+                  "divides by (1 h average, 10 m ago). The gap is the output each GPU lost.",
+                  query(per_gpu, "samples/s per GPU"),
+                  query(f'train_job:syncwatch_samples_per_gpu:baseline1h{{{JOB}}}', "baseline"),
+                  unit="short", w=9)
+            .min(0))
+        .with_row(db.Row("Energy"))
+        .with_panel(
+            panel(timeseries.Panel(), "Energy per sample",
+                  "Joules the job's GPUs spend per sample processed (5 m). Rising while throughput "
+                  "is flat: energy outpacing output (waiting GPUs still draw power).",
+                  query(f'train_job:syncwatch_energy_per_sample:joules5m{{{JOB}}}', "J / sample"),
+                  unit="joule", w=6)
+            .min(0))
+        .with_panel(
+            panel(timeseries.Panel(), "GPUs idle at barriers",
+                  "How many GPUs' worth of time the job spends idle waiting for slower peers (sum "
+                  "of the ranks' slack rates): 2.5 = two and a half GPUs paid for doing nothing.",
+                  query(f'sum by (train_job) (rate(syncwatch_slack_seconds_total{{{JOB}}}[{RATE}]))',
+                        "GPUs idle"),
+                  unit="short", w=6)
+            .min(0))
+        .with_panel(
+            panel(timeseries.Panel(), "Power burned waiting at barriers",
+                  "GPU power of each rank weighted by the share of its time it idled at the barrier, "
+                  "summed over the job, beside the job's whole GPU power. The ratio of the two is "
+                  "the share of the energy bill paid for waiting.",
+                  query(_waiting_watts(RATE), "while waiting"),
+                  query(f'sum by (train_job) ({_energy_rate(RATE)})', "all GPUs of the job"),
+                  unit="watt", w=6)
+            .min(0))
+        .with_panel(
+            panel(stat.Panel(), "Energy burned waiting in range",
+                  "Energy of the job's GPUs in the shown range spent idle at barriers, and its share "
+                  "of all their energy.",
+                  query(f'{_waiting_watts("$__range")} * $__range_s', "joules while waiting", instant=True),
+                  query(f'{_waiting_watts("$__range")} / on (train_job) '
+                        f'sum by (train_job) ({_energy_rate("$__range")})', "share of GPU energy", instant=True),
+                  w=6)
+            .override_by_name("share of GPU energy", [unit_override("percentunit")])
+            .unit("joule"))
+        .with_row(db.Row("Work lost"))
+        .with_panel(
+            panel(timeseries.Panel(), "Re-run ratio",
+                  "Share of all computed steps that repeated work lost at a restart (steps between "
+                  "the last checkpoint and the failure), since the job began and over the last hour "
+                  "(the alerting view). Each step up is one restart; a tall step says the checkpoint "
+                  "interval is too long for the failure rate.",
+                  query(RERUN_RATIO, "since the job began"),
+                  query(f'train_job:syncwatch_rerun:ratio1h{{{JOB}}}', "last hour"),
+                  unit="percentunit")
+            .min(0))
+        .with_panel(
+            panel(timeseries.Panel(), "Checkpoint time share",
+                  "Share of the ranks' time spent in the checkpoint phase (5 m). Together with the "
+                  "re-run ratio it sets the checkpoint interval: more frequent checkpoints cost "
+                  "this, rarer ones cost re-runs.",
+                  query(f'train_job_phase:syncwatch_phase:ratio5m{{{JOB}, phase="checkpoint"}}',
+                        "checkpointing"),
+                  unit="percentunit")
+            .min(0).legend(legend_table("mean", "lastNotNull")))
+    )
+

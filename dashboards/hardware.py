@@ -1,0 +1,155 @@
+"""Hardware coupling: is it the hardware?
+
+GPU and fabric series come from the node daemons' NVML and sysfs collectors; they carry no train_job
+label, so every query joins them to the daemons (``instance``) that run ranks of the selected job.
+"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import statetimeline, table, timeseries
+from grafana_foundation_sdk.builders import common as cb
+from grafana_foundation_sdk.models import common as cm
+
+from .common import (JOB, MEAN_SKEW, ON_DAEMON, ON_NODE, RATE, dashboard, legend_table, node_variable,
+                     panel, query, thresholds, train_job_variable)
+
+UID = "syncwatch-hardware"
+
+
+def _gpu(metric: str) -> str:
+    return f'max by (node, gpu) ({metric} {ON_DAEMON})'
+
+
+def _rate(metric: str, by: str = "node, device") -> str:
+    return f'sum by ({by}) (rate({metric}[{RATE}]) {ON_DAEMON})'
+
+
+def build() -> db.Dashboard:
+    lateness = (f'avg by (node) (({MEAN_SKEW}) - on (train_job) group_right () '
+                f'((rate(syncwatch_slack_seconds_total{{{JOB}}}[{RATE}])'
+                f' / rate(syncwatch_steps_total{{{JOB}}}[{RATE}])) {ON_NODE}))')
+    lateness_panel = (
+        panel(timeseries.Panel(), "Lateness of the ranks per node",
+              "Mean time per step the barrier waited for the ranks of each node (barrier skew minus "
+              "the rank's own slack, averaged over the node's ranks). A node whose lateness rises "
+              "with its temperature, falling clocks or a throttle reason is the hardware straggler.",
+              query(lateness, "{{node}}"), unit="s", w=8)
+        .min(0).legend(legend_table("mean", "max").sort_by("Mean").sort_desc(True)))
+    sync_tax = (
+        panel(timeseries.Panel(), "Job sync tax",
+              "Share of step time inside synchronization. Fabric trouble (xmit wait, CNPs, "
+              "errors, flaps) that matters for this job shows up here at the same time.",
+              query(f'train_job:syncwatch_sync_tax:ratio5m{{{JOB}}}', "sync tax"),
+              query(f'train_job:syncwatch_coupling:ratio5m{{{JOB}}}', "coupling"),
+              unit="percentunit", w=8)
+        .min(0))
+    return (
+        dashboard(UID, "syncwatch / Hardware coupling",
+                  "Is it the hardware? GPU state per node beside the lateness of its ranks; fabric "
+                  "counters beside the job's sync tax; GPU error events.",
+                  train_job_variable(), node_variable())
+        .with_row(db.Row("GPUs beside rank lateness"))
+        .with_panel(lateness_panel)
+        .with_panel(
+            panel(timeseries.Panel(), "GPU temperature",
+                  "Core temperature of each GPU of the job's nodes. One node hotter than the rest, "
+                  "with clocks falling, usually explains its lateness (cooling, fan, airflow).",
+                  query(_gpu("syncwatch_gpu_temperature_celsius"), "{{node}} gpu {{gpu}}"),
+                  unit="celsius", w=8)
+            .legend(legend_table("mean", "max").sort_by("Max").sort_desc(True)))
+        .with_panel(
+            panel(timeseries.Panel(), "GPU SM clock",
+                  "Streaming-multiprocessor clock per GPU. Synchronous ranks all run at the pace "
+                  "of the slowest GPU: one GPU with a lower clock slows the whole job.",
+                  query(_gpu("syncwatch_gpu_sm_clock_hertz"), "{{node}} gpu {{gpu}}"),
+                  unit="hertz", w=8)
+            .legend(legend_table("mean", "min").sort_by("Min")))
+        .with_panel(
+            panel(timeseries.Panel(), "GPU power",
+                  "Power draw per GPU. A GPU at its power cap (see throttle reasons) or drawing "
+                  "much less than its peers while they wait is the one holding them back.",
+                  query(_gpu("syncwatch_gpu_power_watts"), "{{node}} gpu {{gpu}}"),
+                  unit="watt", w=8)
+            .legend(legend_table("mean", "max")))
+        .with_panel(
+            panel(statetimeline.Panel(), "GPU throttle reasons",
+                  "Clock event reasons per node: 1 while any GPU of the node is throttled for that "
+                  "reason. thermal / hw_slowdown on the node with the late ranks is the hardware "
+                  "cause; power_cap on all nodes is a site setting, not a straggler.",
+                  query(f'max by (node, reason) (syncwatch_gpu_throttle_active {ON_DAEMON})',
+                        "{{node}} {{reason}}"),
+                  w=16)
+            .merge_values(True).show_value(cm.VisibilityMode.NEVER)
+            .thresholds(thresholds((None, "green"), (1, "red"))))
+        .with_row(db.Row("Fabric beside sync tax"))
+        .with_panel(sync_tax)
+        .with_panel(
+            panel(timeseries.Panel(), "NIC throughput",
+                  "Bytes per second received (positive) and transmitted (negative) per node and "
+                  "device. Gradient traffic is bursty and equal across nodes; one node lower than "
+                  "the rest in every burst is late or has a degraded link.",
+                  query(_rate("syncwatch_nic_receive_bytes_total"), "{{node}} {{device}} rx"),
+                  query(f'-{_rate("syncwatch_nic_transmit_bytes_total")}', "{{node}} {{device}} tx"),
+                  unit="Bps", w=8))
+        .with_panel(
+            panel(timeseries.Panel(), "NIC errors, drops and link flaps",
+                  "Errors and drops per second per node and device, and carrier changes (link flaps) "
+                  "and InfiniBand link-downed events per interval. Anything above zero during a sync "
+                  "tax rise is a fabric suspect.",
+                  query(_rate("syncwatch_nic_errors_total"), "{{node}} {{device}} errors"),
+                  query(_rate("syncwatch_nic_drops_total"), "{{node}} {{device}} drops"),
+                  query(f'sum by (node, device) (increase(syncwatch_nic_carrier_changes_total[{RATE}]) {ON_DAEMON})',
+                        "{{node}} {{device}} flaps"),
+                  query(f'sum by (node, device) (increase(syncwatch_ib_link_downed_total[{RATE}]) {ON_DAEMON})',
+                        "{{node}} {{device}} IB link down"),
+                  unit="short", w=8)
+            .min(0))
+        .with_panel(
+            panel(timeseries.Panel(), "InfiniBand port_xmit_wait",
+                  "Rate of port_xmit_wait ticks per InfiniBand port: time the port had data to send "
+                  "but no credits (the next hop was congested). Rising on all nodes with the sync "
+                  "tax means fabric congestion, not a straggler.",
+                  query(_rate("syncwatch_ib_port_xmit_wait_total", "node, device, port"),
+                        "{{node}} {{device}}/{{port}}"),
+                  unit="short", w=12)
+            .min(0).axis_label("ticks/s"))
+        .with_panel(
+            panel(timeseries.Panel(), "RoCE congestion: CNP and ECN rates",
+                  "Congestion notification packets sent and handled, and ECN-marked packets per "
+                  "second, per RoCE port. A burst of CNPs with the sync tax is congestion control "
+                  "slowing the collective; steady zero with a high sync tax points elsewhere.",
+                  query(_rate("syncwatch_roce_cnp_sent_total", "node, device, port"), "{{node}} {{device}} CNP sent"),
+                  query(_rate("syncwatch_roce_cnp_handled_total", "node, device, port"),
+                        "{{node}} {{device}} CNP handled"),
+                  query(_rate("syncwatch_roce_ecn_marked_total", "node, device, port"),
+                        "{{node}} {{device}} ECN marked"),
+                  unit="pps", w=12)
+            .min(0))
+        .with_row(db.Row("GPU error events"))
+        .with_panel(
+            panel(table.Panel(), "XID errors",
+                  "XID error events per GPU and XID code since the node daemon started (driver-"
+                  "reported faults: 79 = GPU fell off the bus, 48/63/64 = ECC, 13/31/43 = "
+                  "application faults). A count on a node with late ranks or before a restart is "
+                  "the likely cause. Only GPUs that had an event are listed.",
+                  query(f'sum by (node, gpu, xid) (syncwatch_gpu_xid_errors_total {ON_DAEMON})',
+                        instant=True, table=True),
+                  w=8)
+            .sort_by([cb.TableSortByFieldState().display_name("Value").desc(True)]))
+        .with_panel(
+            panel(table.Panel(), "ECC errors",
+                  "ECC error counts per GPU and type as NVML reports them. Uncorrected errors end "
+                  "jobs; a climbing corrected count predicts them.",
+                  query(f'sum by (node, gpu, type) (syncwatch_gpu_ecc_errors_total {ON_DAEMON})',
+                        instant=True, table=True),
+                  w=8)
+            .sort_by([cb.TableSortByFieldState().display_name("Value").desc(True)]))
+        .with_panel(
+            panel(timeseries.Panel(), "GPUs answering",
+                  "1 while NVML answers for the GPU; 0 when it is lost, timed out or needs a reset "
+                  "(the ranks on it will hang or die).",
+                  query(_gpu("syncwatch_gpu_up"), "{{node}} gpu {{gpu}}"),
+                  w=8)
+            .min(0).max(1))
+    )

@@ -1,0 +1,166 @@
+"""Job overview: is this job healthy, and if not, which failure mode?"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import stat, table, timeseries
+from grafana_foundation_sdk.builders import common as cb
+
+from .common import (JOB, RATE, dashboard, legend_table, panel, query, thresholds, train_job_variable)
+
+UID = "syncwatch-job-overview"
+
+_SCORE_THRESHOLDS = thresholds((None, "green"), (0.1, "orange"), (0.25, "red"))
+
+
+def _score(title: str, description: str, expr: str) -> stat.Panel:
+    return (panel(stat.Panel(), title, description, query(expr, "{{train_job}}"),
+                  unit="percentunit", w=4, h=4)
+            .thresholds(_SCORE_THRESHOLDS).min(0).max(1)
+            .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"])))
+
+
+def build() -> db.Dashboard:
+    samples = f'syncwatch_samples_total{{{JOB}}}[{RATE}]'
+    per_gpu = (f'sum by (train_job) (rate({samples}))'
+               f' / count by (train_job) (rate({samples}))')
+    # The window just after the range start: `@ start()` pins it, a negative offset moves it forward.
+    first = f'syncwatch_samples_total{{{JOB}}}[{RATE}] @ start() offset -{RATE}'
+    per_gpu_first = f'sum by (train_job) (rate({first})) / count by (train_job) (rate({first}))'
+    world = f'max by (train_job) (syncwatch_job_world_size{{{JOB}}})'
+    step_hist = f'sum by (le) (rate(syncwatch_step_duration_seconds_bucket{{{JOB}}}[{RATE}]))'
+
+    return (
+        dashboard(UID, "syncwatch / Job overview",
+                  "Is this train job healthy, and if not, which failure mode? Scores first, then the "
+                  "signals behind them.", train_job_variable())
+        .with_row(db.Row("Scores"))
+        .with_panel(_score(
+            "Coupling score",
+            "Share of all rank-time spent idle at the gradient barrier waiting for slower peers "
+            "(slack / step time, 5 m). Below 5 % is normal; a rising score means local jitter is "
+            "turning into global stalls. The Straggler map says who everyone waits for.",
+            f'train_job:syncwatch_coupling:ratio5m{{{JOB}}}'))
+        .with_panel(_score(
+            "Instability score",
+            "0..1 combination of step-time CV, barrier skew per step, step-time oscillation and "
+            "re-run work (components in the panel below). High means step times are erratic even "
+            "if the mean looks fine.",
+            f'train_job:syncwatch_instability:score{{{JOB}}}'))
+        .with_panel(_score(
+            "Sync tax",
+            "Share of step time spent inside gradient synchronization (sync phase / step time, "
+            "5 m). It includes the transfer itself; coupling is the part of it that is pure waiting.",
+            f'train_job:syncwatch_sync_tax:ratio5m{{{JOB}}}'))
+        .with_panel(
+            panel(stat.Panel(), "Straggler concentration",
+                  "Largest share of last arrivals held by one rank (10 m). 1/N (world size) means "
+                  "the barrier waits for a different rank each step (jitter); near 1 means one "
+                  "persistent straggler: open the Straggler map.",
+                  query(f'train_job:syncwatch_straggler_concentration:ratio10m{{{JOB}}}', "{{train_job}}"),
+                  unit="percentunit", w=4, h=4)
+            .thresholds(thresholds((None, "green"), (0.5, "orange"), (0.8, "red"))).min(0).max(1))
+        .with_panel(
+            panel(stat.Panel(), "World size and attempt",
+                  "Ranks in the job and the current attempt (1 = never restarted).",
+                  query(f'max by (train_job) (syncwatch_job_world_size{{{JOB}}})', "world size"),
+                  query(f'max by (train_job) (syncwatch_job_attempt{{{JOB}}})', "attempt"),
+                  w=4, h=4))
+        .with_panel(
+            panel(stat.Panel(), "Restarts and re-run steps",
+                  "Restarts since the job began and the steps repeated after them (steps between the "
+                  "last checkpoint and each failure). Any re-run work is throughput paid twice.",
+                  query(f'max by (train_job) (syncwatch_job_restarts_total{{{JOB}}})', "restarts"),
+                  query(f'max by (train_job) (syncwatch_job_rerun_steps_total{{{JOB}}})', "re-run steps"),
+                  w=4, h=4)
+            .thresholds(thresholds((None, "green"), (1, "orange"))))
+        .with_row(db.Row("Which failure mode"))
+        .with_panel(
+            panel(timeseries.Panel(), "Coupling score and its components",
+                  "Coupling (idle share at the barrier) beside the sync tax it is part of and the "
+                  "straggler concentration. Coupling up with concentration near 1: one straggler. "
+                  "Coupling up with concentration near 1/N: jitter or contention spread over ranks. "
+                  "Sync tax up without coupling: the transfer itself got slower (fabric).",
+                  query(f'train_job:syncwatch_coupling:ratio5m{{{JOB}}}', "coupling"),
+                  query(f'train_job:syncwatch_sync_tax:ratio5m{{{JOB}}}', "sync tax"),
+                  query(f'train_job:syncwatch_straggler_concentration:ratio10m{{{JOB}}}',
+                        "straggler concentration"),
+                  unit="percentunit")
+            .min(0).legend(legend_table("mean", "max", "lastNotNull")))
+        .with_panel(
+            panel(timeseries.Panel(), "Instability score and its components",
+                  "Instability beside its components, each scaled 0..1 by the recording rules: cv "
+                  "(step-time coefficient of variation), cv_growth (CV against its own baseline), "
+                  "skew (barrier skew per step), oscillation (fast/slow alternation: negative lag-1 "
+                  "autocorrelation) and rerun (share of steps repeated after restarts). The "
+                  "component that rises with the score is the failure mode.",
+                  query(f'train_job:syncwatch_instability:score{{{JOB}}}', "instability"),
+                  query(f'train_job:syncwatch_instability:component{{{JOB}}}', "{{component}}"),
+                  unit="percentunit")
+            .min(0).max(1).legend(legend_table("mean", "max", "lastNotNull")))
+        .with_row(db.Row("Throughput and step time"))
+        .with_panel(
+            panel(timeseries.Panel(), "Throughput against ideal linear scaling",
+                  "Samples per second of the whole job, and the ideal: world size times the per-GPU "
+                  "throughput first measured in the shown time range (its first rate interval; the "
+                  "best per-GPU throughput of the range when the job had not started by then). The "
+                  "gap between the lines is throughput lost to coupling, stragglers and scale.",
+                  query(f'sum by (train_job) (rate({samples}))', "measured"),
+                  query(f'{world} * on (train_job) (({per_gpu_first}) > 0)'
+                        f' or {world} * on (train_job) max_over_time(({per_gpu})[$__range:])',
+                        "ideal linear scaling"),
+                  unit="short")
+            .min(0).axis_label("samples/s").legend(legend_table("mean", "lastNotNull")))
+        .with_panel(
+            panel(timeseries.Panel(), "Step time p50 / p99 and mean",
+                  "Step duration quantiles from the per-node histograms of all ranks, and the mean. "
+                  "A p99 pulling away from p50 means rare long steps (stalls) dominate the job time.",
+                  query(f'histogram_quantile(0.5, {step_hist})', "p50"),
+                  query(f'histogram_quantile(0.99, {step_hist})', "p99"),
+                  query(f'train_job:syncwatch_step_seconds:mean5m{{{JOB}}}', "mean"),
+                  unit="s")
+            .min(0).legend(legend_table("mean", "max", "lastNotNull")))
+        .with_panel(
+            panel(timeseries.Panel(), "Step time CV",
+                  "Coefficient of variation of step time over each rank's last W steps (mean and "
+                  "worst rank). Synchronous ranks share one step time, so the lines agree; growth "
+                  "is the early sign of coupling.",
+                  query(f'avg by (train_job) (syncwatch_step_cv{{{JOB}}})', "mean over ranks"),
+                  query(f'train_job:syncwatch_step_cv:max{{{JOB}}}', "worst rank"),
+                  unit="percentunit", w=8)
+            .min(0))
+        .with_panel(
+            panel(timeseries.Panel(), "Sync tax and barrier skew",
+                  "Share of step time inside synchronization, and the mean barrier skew (spread of "
+                  "arrival times) as a share of step time. Skew near the sync tax: the sync phase is "
+                  "mostly waiting for late ranks, not transfer.",
+                  query(f'train_job:syncwatch_sync_tax:ratio5m{{{JOB}}}', "sync tax"),
+                  query(f'train_job:syncwatch_skew_step:ratio5m{{{JOB}}}', "skew / step"),
+                  unit="percentunit", w=8)
+            .min(0))
+        .with_panel(
+            panel(timeseries.Panel(), "Barrier skew",
+                  "Mean and p99 of the per-step barrier skew (largest slack of a step, 5 m), measured "
+                  "exactly by the ranks' MIN/MAX exchange. Compare with the mean step time.",
+                  query(f'train_job:syncwatch_barrier_skew_seconds:mean5m{{{JOB}}}', "mean"),
+                  query(f'train_job:syncwatch_barrier_skew_seconds:p99_5m{{{JOB}}}', "p99"),
+                  unit="s", w=8)
+            .min(0))
+        .with_row(db.Row("Restarts and alerts"))
+        .with_panel(
+            panel(timeseries.Panel(), "Restarts and re-run work",
+                  "Attempt number and cumulative steps re-run after restarts. Each step up of the "
+                  "attempt line is a restart; the re-run line rises by the steps lost since the last "
+                  "checkpoint (a long checkpoint interval makes each restart expensive).",
+                  query(f'max by (train_job) (syncwatch_job_attempt{{{JOB}}})', "attempt"),
+                  query(f'max by (train_job) (syncwatch_job_rerun_steps_total{{{JOB}}})', "re-run steps"),
+                  unit="short")
+            .min(0))
+        .with_panel(
+            panel(table.Panel(), "Alerts for this job",
+                  "syncwatch alerts for this job now, firing and pending (pending: the condition "
+                  "holds, its for: window has not run out yet). The alert names the failure mode; "
+                  "rank and node columns name the culprit where the alert has them.",
+                  query(f'ALERTS{{{JOB}}}', instant=True, table=True))
+            .sort_by([cb.TableSortByFieldState().display_name("alertstate")]))
+    )

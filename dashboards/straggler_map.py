@@ -1,0 +1,106 @@
+"""Straggler map: who is everyone waiting for?"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import barchart, heatmap, table, timeseries
+from grafana_foundation_sdk.builders import common as cb
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.models import common as cm
+from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models import heatmap as hm
+
+from .common import (JOB, ON_NODE, RANKS, RATE, dashboard, legend_table, node_variable, panel,
+                     query, rank_variable, train_job_variable)
+
+UID = "syncwatch-straggler-map"
+
+
+def build() -> db.Dashboard:
+    arrivals_range = f'increase(syncwatch_last_arrivals_total{{{RANKS}}}[$__range])'
+    sequence = f'syncwatch_collective_sequence{{{JOB}}}'
+    return (
+        dashboard(UID, "syncwatch / Straggler map",
+                  "Who is everyone waiting for? Slack and last arrivals per rank, located on nodes.",
+                  train_job_variable(), node_variable(), rank_variable())
+        .with_row(db.Row("Who arrives last"))
+        .with_panel(
+            panel(heatmap.Panel(), "Slack share by rank over time",
+                  "One row per rank, one column per interval; colour = share of the rank's step time "
+                  "it idled at the barrier waiting for others (slack / step time). Waiting ranks are "
+                  "hot. A persistently cold row among hot ones is the straggler: it never waits "
+                  "because everyone waits for it. Uniform warmth means jitter with no single culprit.",
+                  query(f'sum by (rank) (rate(syncwatch_slack_seconds_total{{{RANKS}}}[{RATE}])'
+                        f' / rate(syncwatch_step_seconds_total{{{RANKS}}}[{RATE}]) {ON_NODE})', "{{rank}}"),
+                  unit="percentunit", w=24, h=10)
+            .calculate(False)
+            .rows_frame(heatmap.RowsHeatmapOptions().layout(cm.HeatmapCellLayout.UNKNOWN).value("slack share"))
+            .color(heatmap.HeatmapColorOptions().mode(hm.HeatmapColorMode.SCHEME).scheme("Oranges")
+                   .scale(hm.HeatmapColorScale.LINEAR).steps(64).min(0))
+            .y_axis(heatmap.YAxisConfig().axis_label("rank"))
+            .filter_values(heatmap.FilterValueRange())  # keep 0-slack cells: the straggler's row
+            .cell_gap(1).show_tooltip())
+        .with_panel(
+            panel(timeseries.Panel(), "Last-arrival share per rank",
+                  "Share of steps in which each rank arrived last at the barrier (the rank the "
+                  "step waited for). Even jitter gives every rank about 1/N; one line near 1 is a "
+                  "persistent straggler.",
+                  query(f'sum by (train_job, rank) (rate(syncwatch_last_arrivals_total{{{RANKS}}}[{RATE}]) {ON_NODE})'
+                        f' / on (train_job) group_left () sum by (train_job) '
+                        f'(rate(syncwatch_last_arrivals_total{{{JOB}}}[{RATE}]))', "rank {{rank}}"),
+                  unit="percentunit")
+            .min(0).max(1).legend(legend_table("mean", "max").sort_by("Mean").sort_desc(True)))
+        .with_panel(
+            panel(table.Panel(), "Top ranks by last arrivals",
+                  "Ranks that were last at the barrier most often in the shown range, with their "
+                  "node. The first row is the rank everyone waited for most; compare its count with "
+                  "the steps in the range.",
+                  query(f'topk(10, sum by (train_job, rank, node) ({arrivals_range} {ON_NODE}))',
+                        instant=True, table=True),
+                  w=6)
+            .sort_by([cb.TableSortByFieldState().display_name("Value").desc(True)]))
+        .with_panel(
+            panel(table.Panel(), "Top nodes by last arrivals",
+                  "Last arrivals summed over the ranks of each node. One node on top with several "
+                  "of its ranks in the rank table points at the node (cooling, power, NIC, host "
+                  "contention), not the rank: see Hardware coupling.",
+                  query(f'topk(10, sum by (train_job, node) ({arrivals_range} {ON_NODE}))',
+                        instant=True, table=True),
+                  w=6)
+            .sort_by([cb.TableSortByFieldState().display_name("Value").desc(True)]))
+        .with_row(db.Row("Where the time goes"))
+        .with_panel(
+            panel(barchart.Panel(), "Phase breakdown per rank",
+                  "Share of each rank's time per phase over the shown range (data, forward, backward, "
+                  "optimizer, sync, checkpoint, other). The straggler shows the smallest sync share "
+                  "(it does not wait); a larger data or forward share names what makes it slow.",
+                  query(f'sum by (rank, phase) (rate(syncwatch_phase_seconds_total{{{RANKS}}}[$__range]) {ON_NODE})',
+                        instant=True, table=True),
+                  unit="s", w=24, h=9)
+            .with_transformation(dm.DataTransformerConfig(
+                id_val="groupingToMatrix",
+                options={"columnField": "phase", "rowField": "rank", "valueField": "Value"}))
+            .stacking(cm.StackingMode.PERCENT).x_tick_label_rotation(0)
+            .legend(cb.VizLegendOptions().show_legend(True).placement(cm.LegendPlacement.RIGHT)
+                    .display_mode(cm.LegendDisplayMode.LIST)))
+        .with_row(db.Row("Hangs and desync"))
+        .with_panel(
+            panel(timeseries.Panel(), "Collective sequence lag per rank",
+                  "How many collectives each rank is behind the most advanced rank of the job. "
+                  "All zero is healthy. In a hang, the rank whose line rises (or stays above zero) "
+                  "is the one behind: the others are blocked in a collective it never entered.",
+                  query(f'max by (train_job) ({sequence}) - on (train_job) group_right () '
+                        f'(syncwatch_collective_sequence{{{RANKS}}} {ON_NODE})', "rank {{rank}}"),
+                  query(f'max by (train_job) ({sequence}) - min by (train_job) ({sequence})',
+                        "spread (max − min)"),
+                  unit="short")
+            .min(0).legend(legend_table("max", "lastNotNull").sort_by("Last *").sort_desc(True)))
+        .with_panel(
+            panel(table.Panel(), "Current phase per rank",
+                  "Each rank's phase at its last heartbeat and how long it has been in it. A stuck "
+                  "job shows most ranks in sync for minutes and the rank behind elsewhere (data, "
+                  "forward, checkpoint...): that rank is the one to inspect.",
+                  query(f'syncwatch_rank_phase_elapsed_seconds{{{RANKS}}} {ON_NODE}',
+                        instant=True, table=True),
+                  unit="s")
+            .sort_by([cb.TableSortByFieldState().display_name("Value").desc(True)]))
+    )

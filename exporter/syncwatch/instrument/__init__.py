@@ -1,0 +1,222 @@
+"""PyTorch instrumentation that runs inside every training rank.
+
+    import syncwatch.instrument as sw
+
+    dist.init_process_group("gloo")           # or nccl
+    model = DDP(model)
+    sw.init()                                 # identity from torch.distributed + launcher env
+    handle = sw.register(model)               # DDP wait hook + collective wrappers
+    for batch in loader:
+        with sw.phase("data"): ...
+        with sw.phase("forward"): ...
+        with sw.phase("backward"): loss.backward()
+        with sw.phase("optimizer"): opt.step()
+        sw.step(samples=len(batch))
+    sw.shutdown()
+
+Everything is a no-op until ``init()`` succeeded, and ``init()`` does nothing where
+``torch.distributed`` is not initialized. Importing this package does not import torch or
+prometheus_client. See docs/instrumentation.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+
+from . import _state
+from .hooks import Handle, ddp_hook_wrapper
+from .monitor import Monitor
+
+__all__ = ["init", "phase", "step", "shutdown", "register", "ddp_hook_wrapper", "Handle",
+           "Monitor", "current"]
+
+log = logging.getLogger("syncwatch.instrument")
+
+DEFAULT_EXCHANGE_EVERY = 50
+DEFAULT_HEARTBEAT_SECONDS = 5.0
+
+
+class _Null:
+    """The phase context when nothing is initialized."""
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()
+_failed = False
+
+
+def current() -> Monitor | None:
+    return _state.monitor
+
+
+def phase(name: str):
+    """Time a phase: data, forward, backward, optimizer, checkpoint (any other name: ``other``)."""
+    m = _state.monitor
+    return m.phase(name) if m is not None else _NULL
+
+
+def step(samples: float = 0, tokens: float | None = None, step: int | None = None) -> None:
+    """End a step that processed ``samples`` (and ``tokens``); ``step`` = the job's step number."""
+    m = _state.monitor
+    if m is not None:
+        m.step(samples, tokens, step)
+
+
+def _env_number(name: str, conv, default):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return conv(raw)
+    except ValueError:
+        log.warning("syncwatch: ignoring %s=%r (not a number)", name, raw)
+        return default
+
+
+def init(*, job: str | None = None, attempt: int | None = None, node: str | None = None,
+         exchange_every: int | None = None, heartbeat_seconds: float | None = None,
+         socket: str | None = None, udp: str | None = None, device: str | None = None,
+         sender=None, clock=None) -> Monitor | None:
+    """Start instrumenting this rank; returns the Monitor, or None where it stays a no-op.
+
+    Call it on every rank after ``init_process_group`` (it creates the side gloo group of the
+    skew exchange, a collective call). ``exchange_every``: K (default ``$SYNCWATCH_SKEW_EVERY``
+    or 50; 0 = off). ``device``: "cpu" (monotonic clock) or "cuda" (CUDA events); default: cuda
+    when the default group's backend is NCCL. Never raises.
+    """
+    if _state.monitor is not None:
+        return _state.monitor
+    try:
+        return _init(job, attempt, node, exchange_every, heartbeat_seconds, socket, udp, device,
+                     sender, clock)
+    except Exception:
+        log.warning("syncwatch: instrumentation not started", exc_info=True)
+        return None
+
+
+def _init(job, attempt, node, exchange_every, heartbeat_seconds, socket, udp, device, sender,
+          clock):
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from . import hooks, identity
+    from ..sender import Sender
+    from .clock import CudaEventClock, HostClock
+    from .exchange import SkewExchange
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if job is None and identity.job_from_env() is None:
+        job = _shared_generated_job(dist, rank)
+    device = device or os.environ.get("SYNCWATCH_DEVICE") or (
+        "cuda" if "nccl" in str(dist.get_backend()) and torch.cuda.is_available() else "cpu")
+    gpu, uuid = -1, ""
+    if device == "cuda":
+        gpu = torch.cuda.current_device()
+        uuid = identity.cuda_uuid(gpu)
+    ident = identity.resolve(rank=rank, world_size=world, job=job, attempt=attempt, node=node,
+                             gpu=gpu, gpu_uuid=uuid)
+    if clock is None:
+        clock = CudaEventClock() if device == "cuda" else HostClock()
+    if exchange_every is None:
+        exchange_every = _env_number("SYNCWATCH_SKEW_EVERY", int, DEFAULT_EXCHANGE_EVERY)
+    if heartbeat_seconds is None:
+        heartbeat_seconds = _env_number("SYNCWATCH_HEARTBEAT", float, DEFAULT_HEARTBEAT_SECONDS)
+    exchange = None
+    if exchange_every > 0 and world > 1:
+        group = dist.new_group(backend="gloo")
+        exchange = SkewExchange(group, hooks.original("all_reduce"), dist.ReduceOp.MIN,
+                                dist.ReduceOp.MAX,
+                                lambda waits: torch.tensor(waits, dtype=torch.float64))
+    monitor = Monitor(ident, sender or Sender(path=socket, udp=udp), clock=clock,
+                      exchange=exchange, exchange_every=exchange_every,
+                      heartbeat_seconds=heartbeat_seconds)
+    _state.monitor = monitor
+    _guard_destroy(dist)
+    atexit.register(_at_exit)
+    _hook_excepthook()
+    return monitor
+
+
+def _shared_generated_job(dist, rank: int) -> str | None:
+    """No job name in the environment: rank 0 generates one and shares it through the store."""
+    from datetime import timedelta
+
+    from .identity import generated_job
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if rank == 0:
+            store.set("syncwatch/job", generated_job())
+        store.wait(["syncwatch/job"], timedelta(seconds=30))
+        return store.get("syncwatch/job").decode()
+    except Exception:
+        return None  # identity.resolve generates a per-rank one
+
+
+def _guard_destroy(dist) -> None:
+    """Shut down before the process groups go: the exchange thread uses the side group."""
+    orig = dist.destroy_process_group
+    if hasattr(orig, "_syncwatch_original"):
+        return
+
+    def destroy_process_group(*args, **kwargs):
+        if not args and kwargs.get("group") is None:
+            shutdown()
+        return orig(*args, **kwargs)
+    destroy_process_group._syncwatch_original = orig
+    dist.destroy_process_group = destroy_process_group
+
+
+def _hook_excepthook() -> None:
+    previous = sys.excepthook
+
+    def excepthook(*exc):
+        global _failed
+        _failed = True
+        previous(*exc)
+    sys.excepthook = excepthook
+
+
+def _at_exit() -> None:
+    shutdown("failed" if _failed else "completed")
+
+
+def register(model=None, *, hook=None, state=None, collectives: bool = True) -> Handle:
+    """Measure the gradient wait of a DDP ``model`` (wrapping ``hook``, default all-reduce) and,
+    with ``collectives``, wrap the torch.distributed collectives. Never raises: what could not be
+    attached is logged and counted."""
+    from . import hooks
+    handle = Handle()
+    try:
+        if model is not None:
+            h = hooks.register_ddp(model, hook, state)
+            handle.add(h.remove)
+        if collectives:
+            h = hooks.patch_collectives()
+            handle.add(h.remove)
+    except Exception:
+        log.warning("syncwatch: could not register hooks", exc_info=True)
+        if _state.monitor is not None:
+            _state.monitor._error()
+    return handle
+
+
+def shutdown(reason: str = "completed") -> None:
+    """Send the end record and stop the threads (bounded: a few seconds at most). Never raises."""
+    m = _state.monitor
+    if m is None:
+        return
+    _state.monitor = None
+    m.shutdown(reason)

@@ -1,0 +1,89 @@
+"""Who this rank is: train job, attempt, rank, local rank, node, GPU.
+
+Sources, in order: explicit arguments, ``torch.distributed`` (rank and world size when it is
+initialized), the launcher's environment (torchrun/TorchElastic: ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``; Slurm: ``SLURM_PROCID``,
+``SLURM_LOCALID``, ``SLURM_NTASKS``, ``SLURM_JOB_ID``, ``SLURM_RESTART_COUNT``; Kubernetes
+operators set the torchrun variables, and the node name comes from ``SYNCWATCH_NODE`` or
+``NODE_NAME`` set through the downward API, because a pod's hostname is the pod, not the node).
+Label values are sanitized to the protocol's ``LABEL_RE`` instead of being rejected: a rank must
+never fail to start because of an odd job name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import uuid
+
+from ..protocol import Identity
+
+_BAD = re.compile(r"[^A-Za-z0-9_.:@/+=-]")
+
+
+def sanitize(value: str, fallback: str) -> str:
+    """Map ``value`` onto the label alphabet (invalid characters -> ``_``, at most 128)."""
+    value = _BAD.sub("_", str(value))[:128]
+    return value or fallback
+
+
+def _env_int(env, *names: str, default: int | None = None) -> int | None:
+    for name in names:
+        raw = env.get(name)
+        if raw is not None and raw.strip().lstrip("-").isdigit():
+            return int(raw)
+    return default
+
+
+def job_from_env(env=None) -> str | None:
+    env = os.environ if env is None else env
+    for name in ("SYNCWATCH_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        if env.get(name):
+            return sanitize(env[name], "job")
+    return None
+
+
+def attempt_from_env(env=None) -> int:
+    env = os.environ if env is None else env
+    return max(0, _env_int(env, "SYNCWATCH_ATTEMPT", "TORCHELASTIC_RESTART_COUNT",
+                           "SLURM_RESTART_COUNT", default=0))
+
+
+def node_from_env(env=None) -> str:
+    env = os.environ if env is None else env
+    return sanitize(env.get("SYNCWATCH_NODE") or env.get("NODE_NAME") or socket.gethostname(),
+                    "node")
+
+
+def generated_job() -> str:
+    return "job-" + uuid.uuid4().hex[:12]
+
+
+def cuda_uuid(index: int) -> str:
+    """The GPU's UUID formatted like NVML (``GPU-xxxxxxxx-...``), "" if unknown."""
+    try:
+        import torch
+        raw = str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:
+        return ""
+    return sanitize(raw if raw.startswith("GPU-") else "GPU-" + raw, "")
+
+
+def resolve(*, rank: int | None = None, world_size: int | None = None,
+            local_rank: int | None = None, job: str | None = None, attempt: int | None = None,
+            node: str | None = None, gpu: int = -1, gpu_uuid: str = "", env=None) -> Identity:
+    """Build the identity from what is given, falling back to the environment."""
+    env = os.environ if env is None else env
+    if rank is None:
+        rank = _env_int(env, "RANK", "SLURM_PROCID", "JOB_COMPLETION_INDEX", default=0)
+    if world_size is None:
+        world_size = _env_int(env, "WORLD_SIZE", "SLURM_NTASKS", default=rank + 1)
+    if local_rank is None:
+        local_rank = _env_int(env, "LOCAL_RANK", "SLURM_LOCALID", default=0)
+    return Identity(
+        train_job=sanitize(job, "job") if job else (job_from_env(env) or generated_job()),
+        attempt=attempt_from_env(env) if attempt is None else attempt,
+        rank=rank, local_rank=local_rank, world_size=max(world_size, rank + 1),
+        node=sanitize(node, "node") if node else node_from_env(env),
+        pid=os.getpid(), gpu=gpu, gpu_uuid=gpu_uuid)

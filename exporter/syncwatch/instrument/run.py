@@ -1,0 +1,77 @@
+"""``syncwatch-run <command...>``: run an unmodified PyTorch command with instrumentation.
+
+    syncwatch-run torchrun --nproc-per-node 4 train.py --epochs 3
+
+Puts a ``sitecustomize`` on ``PYTHONPATH`` (see ``syncwatch.instrument.auto``) and replaces
+itself with the command, so signals and the exit status are the command's own. Options become
+``SYNCWATCH_*`` variables that every rank reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..cli import add_flag
+
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# flag -> environment variable the ranks read
+_ENV = {"socket": "SYNCWATCH_SOCKET", "udp": "SYNCWATCH_UDP", "job": "SYNCWATCH_JOB",
+        "skew_every": "SYNCWATCH_SKEW_EVERY", "heartbeat": "SYNCWATCH_HEARTBEAT"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--socket", default=None, help="daemon's Unix datagram ingest socket")
+    add_flag(parser, "--udp", default=None, help="send to the daemon over UDP HOST:PORT instead")
+    add_flag(parser, "--job", default=None, help="train_job label (default: launcher's job id)")
+    add_flag(parser, "--skew-every", type=int, default=None,
+             help="exact skew exchange every K steps (0 = off; default 50)")
+    add_flag(parser, "--heartbeat", type=float, default=None, help="heartbeat interval, seconds")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the training command, e.g. torchrun --nproc-per-node 4 train.py")
+
+
+def child_env(args, environ=None) -> dict[str, str]:
+    env = dict(os.environ if environ is None else environ)
+    for attr, var in _ENV.items():
+        value = getattr(args, attr)
+        if value is not None:
+            env[var] = str(value)
+    parts = [SITE_DIR, PACKAGE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    return env
+
+
+def run(args) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("syncwatch-run: no command given (e.g. syncwatch-run torchrun train.py)",
+              file=sys.stderr)
+        return 2
+    try:
+        os.execvpe(command[0], command, child_env(args))
+    except OSError as e:
+        print(f"syncwatch-run: cannot run {command[0]!r}: {e.strerror}", file=sys.stderr)
+        return 127
+    return 0  # not reached
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("run", help="run an unmodified PyTorch command, instrumented",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="syncwatch-run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

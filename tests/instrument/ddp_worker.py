@@ -1,0 +1,90 @@
+"""One rank of a small CPU DDP training job, for the instrumentation tests and benchmarks.
+
+Launched once per rank with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment (like
+torchrun does) or by torchrun itself. ``--instrument none`` is an unmodified script: it never
+imports syncwatch (the zero-code-change test runs it under ``syncwatch-run``).
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--instrument", choices=("none", "explicit"), default="none")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--start-step", type=int, default=0)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--hang-rank", type=int, default=-1)
+    p.add_argument("--hang-step", type=int, default=-1)
+    p.add_argument("--bucket-mb", type=float, default=None)
+    p.add_argument("--step-pause", type=float, default=0.0)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
+    kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
+    ddp = DDP(model, **kw)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    hang_group = dist.new_group([0, 1]) if a.hang_rank >= 0 else None
+
+    sw = None
+    if a.instrument == "explicit":
+        import syncwatch.instrument as sw
+        sw.init()
+        sw.register(ddp)
+    phase = sw.phase if sw else (lambda name: _NoPhase())
+
+    for i in range(a.start_step, a.start_step + a.steps):
+        with phase("data"):
+            g = torch.Generator().manual_seed(1000 * rank + i)
+            x = torch.randn(a.batch, 128, generator=g)
+            y = torch.randn(a.batch, 128, generator=g)
+        if rank == a.hang_rank and i == a.hang_step:
+            # blocks forever: rank 0 never joins this collective
+            dist.all_reduce(torch.zeros(1), group=hang_group)
+        with phase("forward"):
+            if rank == a.slow_rank:
+                time.sleep(a.delay)
+            loss = nn.functional.mse_loss(ddp(x), y)
+        with phase("backward"):
+            opt.zero_grad()
+            loss.backward()
+        grads = [q.grad.clone() for q in model.parameters()]
+        with phase("optimizer"):
+            opt.step()
+        if sw:
+            sw.step(samples=a.batch, step=i + 1)
+        if a.step_pause:
+            time.sleep(a.step_pause)
+
+    if a.out:
+        torch.save({"weights": model.state_dict(), "grads": grads},
+                   os.path.join(a.out, f"rank{rank}.pt"))
+    if sw:
+        sw.shutdown()
+    dist.destroy_process_group()
+
+
+class _NoPhase:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    main()

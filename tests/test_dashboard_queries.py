@@ -1,0 +1,172 @@
+"""Every dashboard query, executed against a real Prometheus fed by real daemons.
+
+Two simulated train jobs (a persistent straggler with a hot, throttled GPU under it, and a job that
+restarts twice) send to one node daemon per simulated node; the straggler job's daemons also run the
+GPU/NIC/InfiniBand collectors over a fake NVML and sysfs trees. A Prometheus from the Debian package
+scrapes them with the recording and alerting rules loaded (windows scaled down). Each panel query is
+substituted exactly as Grafana would (``dashboards.queries.substitute``) and must parse and return
+at least one series for the job it is meant for; the straggler map, hardware and fleet dashboards
+must also point at the injected culprit.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT))
+from dashboards import queries  # noqa: E402
+from dashboards.sandbox import Sandbox, Snapshot  # noqa: E402
+
+pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
+                                reason="prometheus missing (Debian package prometheus)")
+
+STRAGGLER, RESTARTS = "dash-straggler", "dash-restarts"
+RUN_SECONDS = 45          # simulated run before querying (rule windows are scaled by 0.05)
+RANGE_OFFSET = 6          # dashboard range starts this long after the jobs started
+
+#: Panels meant for the restarts scenario; every other panel is checked against the straggler job.
+MEANT_FOR = {
+    ("syncwatch-job-overview", "Restarts and re-run steps"): RESTARTS,
+    ("syncwatch-job-overview", "Restarts and re-run work"): RESTARTS,
+    ("syncwatch-efficiency", "Re-run ratio"): RESTARTS,
+    ("syncwatch-efficiency", "Checkpoint time share"): RESTARTS,
+}
+
+DASHBOARDS = queries.load_all()
+ALL_QUERIES = [q for d in DASHBOARDS.values() for q in queries.panel_queries(d)]
+
+
+class Run(Snapshot):
+    """The sandbox after its run: one fixed dashboard time range for every query, the panel's job
+    selected (``MEANT_FOR``), node and rank "All" unless a test selects them."""
+
+    def __init__(self, box: Sandbox):
+        super().__init__(box, start=box.started_at + RANGE_OFFSET, end=time.time())
+        self.straggler_rank, self.straggler_node, _ = box.straggler(box.jobs[0])
+
+    def _selected(self, q: queries.PanelQuery, selected: dict) -> dict:
+        return {"train_job": MEANT_FOR.get((q.dashboard, q.panel), STRAGGLER), "node": None,
+                "rank": None, **selected}
+
+    def expr(self, q: queries.PanelQuery, selected: dict | None = None) -> str:
+        return super().expr(q, self._selected(q, selected or {}))
+
+    def run(self, q: queries.PanelQuery, selected: dict | None = None) -> list[dict]:
+        return super().run(q, self._selected(q, selected or {}))
+
+    def panel(self, uid: str, title: str, ref: str = "A", **selected) -> list[dict]:
+        (q,) = [q for q in queries.panel_queries(DASHBOARDS[uid]) if q.panel == title and q.ref_id == ref]
+        return self.run(q, selected)
+
+
+@pytest.fixture(scope="module")
+def run():
+    box = Sandbox({STRAGGLER: "straggler", RESTARTS: "restarts"})
+    box.start()
+    try:
+        box.wait_for_data(RUN_SECONDS)
+        yield Run(box)
+    finally:
+        box.stop()
+
+
+def _mean(series: dict) -> float:
+    """Mean of a range series, NaN points (0/0 before the first event) left out."""
+    vals = [float(v) for _, v in series["values"] if v != "NaN"]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def _value(series: dict) -> float:
+    """An instant query's value, or a range query's last value (what a stat panel shows)."""
+    return float(series["value"][1] if "value" in series else series["values"][-1][1])
+
+
+@pytest.mark.parametrize("q", ALL_QUERIES, ids=lambda q: f"{q.dashboard}:{q.panel}:{q.ref_id}")
+def test_every_panel_query_returns_data(run, q):
+    result = run.run(q)
+    assert result, f"no series for {run.expr(q)}"
+
+
+def test_straggler_map_names_the_injected_straggler(run):
+    uid, rank, node = "syncwatch-straggler-map", str(run.straggler_rank), run.straggler_node
+    top = sorted(run.panel(uid, "Top ranks by last arrivals"), key=_value, reverse=True)
+    assert (top[0]["metric"]["rank"], top[0]["metric"]["node"]) == (rank, node)
+    assert _value(top[0]) > 5 * _value(top[1])
+    top_nodes = sorted(run.panel(uid, "Top nodes by last arrivals"), key=_value, reverse=True)
+    assert top_nodes[0]["metric"]["node"] == node
+    share = run.panel(uid, "Last-arrival share per rank")
+    assert max(share, key=_mean)["metric"]["rank"] == rank and max(map(_mean, share)) > 0.7
+    # The heatmap's cold row: the straggler never waits, everyone else waits for it.
+    slack = run.panel(uid, "Slack share by rank over time")
+    assert len(slack) == 8 and min(slack, key=_mean)["metric"]["rank"] == rank
+    phases = run.panel(uid, "Phase breakdown per rank")
+    sync = {s["metric"]["rank"]: _value(s) for s in phases if s["metric"]["phase"] == "sync"}
+    assert min(sync, key=sync.get) == rank
+
+
+def test_node_and_rank_variables_filter(run):
+    uid = "syncwatch-straggler-map"
+    only_node = run.panel(uid, "Top ranks by last arrivals", node=[run.straggler_node])
+    assert {s["metric"]["node"] for s in only_node} == {run.straggler_node}
+    only_rank = run.panel(uid, "Slack share by rank over time", rank=["0", str(run.straggler_rank)])
+    assert {s["metric"]["rank"] for s in only_rank} == {"0", str(run.straggler_rank)}
+
+
+def test_hardware_dashboard_points_at_the_hot_node(run):
+    uid, node = "syncwatch-hardware", run.straggler_node
+    late = run.panel(uid, "Lateness of the ranks per node")
+    assert max(late, key=_mean)["metric"]["node"] == node
+    throttled = [s for s in run.panel(uid, "GPU throttle reasons") if _mean(s) > 0]
+    assert {(s["metric"]["node"], s["metric"]["reason"]) for s in throttled} >= {(node, "sw_thermal")}
+    assert {s["metric"]["node"] for s in throttled} == {node}
+    hottest = max(run.panel(uid, "GPU temperature"), key=_mean)
+    assert hottest["metric"]["node"] == node
+    xid = run.panel(uid, "XID errors")
+    assert [(s["metric"]["node"], s["metric"]["xid"], _value(s)) for s in xid] == [(node, "13", 1.0)]
+
+
+def test_job_overview_reads_as_a_persistent_straggler(run):
+    uid = "syncwatch-job-overview"
+    (conc,) = run.panel(uid, "Straggler concentration")
+    assert _mean(conc) > 0.7
+    (coupling,) = run.panel(uid, "Coupling score")
+    assert _mean(coupling) > 0.02
+    ideal = run.panel(uid, "Throughput against ideal linear scaling", "B")
+    measured = run.panel(uid, "Throughput against ideal linear scaling", "A")
+    assert _mean(ideal[0]) >= 0.9 * _mean(measured[0])
+    components = {s["metric"]["component"] for s in
+                  run.panel(uid, "Instability score and its components", "B")}
+    assert components >= {"cv", "skew", "oscillation", "rerun"}
+
+
+def test_restart_panels_count_the_restarts(run):
+    uid = "syncwatch-job-overview"
+    restarts = run.panel(uid, "Restarts and re-run steps", "A", train_job=RESTARTS)
+    rerun = run.panel(uid, "Restarts and re-run steps", "B", train_job=RESTARTS)
+    assert max(_value(s) for s in restarts) >= 1 and max(_value(s) for s in rerun) > 0
+    ratio = run.panel("syncwatch-efficiency", "Re-run ratio", "A", train_job=RESTARTS)
+    assert 0 < _mean(ratio[0]) < 1
+    none = run.panel(uid, "Restarts and re-run steps", "A", train_job=STRAGGLER)
+    assert all(_value(s) == 0 for s in none)
+
+
+def test_fleet_lists_every_job_once(run):
+    (instability,) = [q for q in queries.panel_queries(DASHBOARDS["syncwatch-fleet"])
+                      if q.panel == "Train jobs by instability" and q.ref_id == "A"]
+    jobs = [s["metric"]["train_job"] for s in run.run(instability)]
+    assert sorted(jobs) == sorted([STRAGGLER, RESTARTS])
+
+
+def test_energy_panels_attribute_waiting_power(run):
+    uid = "syncwatch-efficiency"
+    (waiting,) = run.panel(uid, "Power burned waiting at barriers", "A")
+    (total,) = run.panel(uid, "Power burned waiting at barriers", "B")
+    assert 0 < _mean(waiting) < _mean(total)
+    (per_sample,) = run.panel(uid, "Energy per sample")
+    assert _mean(per_sample) > 0

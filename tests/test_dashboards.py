@@ -1,0 +1,164 @@
+"""Structural tests of the generated Grafana dashboards (no Prometheus needed, except promtool)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+from grafana_foundation_sdk.cog import plugins
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models import prometheus as pm
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT))
+from dashboards import generate, queries  # noqa: E402
+
+#: The uids links and bookmarks point at. Changing one breaks every saved link: add, never rename.
+EXPECTED_UIDS = {"syncwatch-job-overview", "syncwatch-straggler-map", "syncwatch-hardware",
+                 "syncwatch-efficiency", "syncwatch-fleet"}
+#: Which variables each dashboard must offer (datasource everywhere).
+EXPECTED_VARIABLES = {
+    "syncwatch-job-overview": ["datasource", "train_job"],
+    "syncwatch-straggler-map": ["datasource", "train_job", "node", "rank"],
+    "syncwatch-hardware": ["datasource", "train_job", "node"],
+    "syncwatch-efficiency": ["datasource", "train_job"],
+    "syncwatch-fleet": ["datasource"],
+}
+
+DASHBOARDS = queries.load_all()
+
+
+def test_committed_json_equals_generator_output():
+    assert generate.stale(generate.rendered()) == []
+    assert generate.main(["--check"]) == 0
+
+
+def test_check_fails_on_a_hand_edited_or_orphan_file(tmp_path, monkeypatch, capsys):
+    for p in generate.OUT_DIR.glob("*.json"):
+        shutil.copy(p, tmp_path / p.name)
+    monkeypatch.setattr(generate, "OUT_DIR", tmp_path)
+    assert generate.main(["--check"]) == 0
+    edited = tmp_path / "syncwatch-fleet.json"
+    edited.write_text(edited.read_text().replace("Train jobs by instability", "Jobs"))
+    (tmp_path / "orphan.json").write_text("{}")
+    assert generate.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    assert "syncwatch-fleet.json" in err and "orphan.json" in err
+    assert generate.main([]) == 0           # regenerating repairs the edit (the orphan stays)
+    assert edited.read_text() == (generate.OUT_DIR / "syncwatch-fleet.json").read_text()
+
+
+def test_generator_is_deterministic():
+    assert generate.rendered() == generate.rendered()
+
+
+@pytest.mark.parametrize("uid", sorted(DASHBOARDS))
+def test_loads_back_through_the_sdk_models(uid):
+    plugins.register_default_plugins()
+    data = DASHBOARDS[uid]
+    model = dm.Dashboard.from_json(data)
+    assert model.uid == uid
+    # Round trip: nothing lost (the SDK may add its defaults, e.g. fieldConfig.defaults.custom),
+    # and a second round trip changes nothing.
+    back = json.loads(json.dumps(model, cls=JSONEncoder))
+    _assert_contained(data, back)
+    assert json.loads(json.dumps(dm.Dashboard.from_json(back), cls=JSONEncoder)) == back
+    for p in model.panels:
+        if isinstance(p, dm.RowPanel):
+            continue
+        assert p.targets, f"{p.title}: no query"
+        for t in p.targets:
+            assert isinstance(t, pm.Dataquery), f"{p.title}: query not read back as Prometheus"
+            assert t.expr and t.ref_id
+
+
+def _assert_contained(orig, back, path=""):
+    """Every key and value of ``orig`` is in ``back``."""
+    if isinstance(orig, dict):
+        assert isinstance(back, dict), path
+        for k, v in orig.items():
+            assert k in back, f"{path}/{k} lost"
+            _assert_contained(v, back[k], f"{path}/{k}")
+    elif isinstance(orig, list):
+        assert isinstance(back, list) and len(back) == len(orig), path
+        for i, (a, b) in enumerate(zip(orig, back)):
+            _assert_contained(a, b, f"{path}[{i}]")
+    else:
+        assert orig == back, f"{path}: {orig!r} != {back!r}"
+
+
+def test_uids_stable_unique_and_named_after_their_file():
+    assert set(DASHBOARDS) == EXPECTED_UIDS
+    for uid, d in DASHBOARDS.items():
+        assert d["uid"] == uid and len(uid) <= 40
+
+
+@pytest.mark.parametrize("uid", sorted(DASHBOARDS))
+def test_every_panel_has_title_description_unique_id_and_datasource(uid):
+    d = DASHBOARDS[uid]
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids)) and 0 not in ids
+    ref_ids = set()
+    for p in queries.panels(d):
+        assert p.get("title", "").strip(), p
+        assert len(p.get("description", "").strip()) > 40, f"{p['title']}: description says too little"
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)) and all(refs), p["title"]
+        ref_ids.update(refs)
+        assert 0 < p["gridPos"]["w"] <= 24 and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+    titles = [p["title"] for p in queries.panels(d)]
+    assert len(titles) == len(set(titles)), "panel titles must be unique (tests and docs refer to them)"
+
+
+@pytest.mark.parametrize("uid", sorted(DASHBOARDS))
+def test_every_variable_is_used_and_every_used_variable_exists(uid):
+    d = DASHBOARDS[uid]
+    defs = queries.variables(d)
+    assert list(defs) == EXPECTED_VARIABLES[uid]
+    assert defs["datasource"]["type"] == "datasource" and defs["datasource"]["query"] == "prometheus"
+    exprs = [q.expr for q in queries.panel_queries(d)]
+    panel_ds = [p["datasource"]["uid"] for p in queries.panels(d)]
+    for name, var in defs.items():
+        others = [v.get("query", "") for n, v in defs.items() if n != name and v["type"] == "query"]
+        others += [v["datasource"]["uid"] for v in defs.values() if v.get("datasource")]
+        assert any(name in queries.referenced(t) for t in exprs + panel_ds + others), f"${name} unused"
+    for q in queries.panel_queries(d):
+        unknown = queries.referenced(q.expr) - set(defs) - set(queries.BUILTINS)
+        assert not unknown, f"{q.panel}: {unknown}"
+
+
+def test_substitution_follows_grafana_rules():
+    d = DASHBOARDS["syncwatch-straggler-map"]
+    expr = 'x{train_job="$train_job", node=~"$node", rank=~"${rank}"}[$__rate_interval] $__range $__range_s'
+    out = queries.substitute(expr, d, {"train_job": "j.1", "node": None, "rank": ["1", "12"]},
+                             rate_interval=60, range_seconds=900)
+    assert out == 'x{train_job="j.1", node=~".*", rank=~"(1|12)"}[60s] 900s 900'
+    single = queries.substitute('{node=~"$node"}', d, {"node": ["n.1"]}, rate_interval=1, range_seconds=1)
+    assert single == r'{node=~"n\\.1"}'
+    with pytest.raises(KeyError):
+        queries.substitute("$gpu", d, {}, rate_interval=1, range_seconds=1)
+    with pytest.raises(KeyError):
+        queries.substitute("$train_job", d, {"train_job": None}, rate_interval=1, range_seconds=1)
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus)")
+def test_every_query_parses_with_promtool(tmp_path):
+    """Each substituted query as a recording rule: promtool parses every expression."""
+    rules = []
+    for uid, d in DASHBOARDS.items():
+        selected = {n: (None if v.get("includeAll") else "job") for n, v in queries.variables(d).items()}
+        for q in queries.panel_queries(d):
+            expr = queries.substitute(q.expr, d, selected, rate_interval=60, range_seconds=3600)
+            rules.append({"record": f"parse:{uid.replace('-', '_')}:{len(rules)}", "expr": expr})
+    path = tmp_path / "panels.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
+    r = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"{len(rules)} rules found" in r.stdout

@@ -1,0 +1,431 @@
+"""Unit tests of the rank-side instrumentation (single process; real sockets, real decoder)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import subprocess_env
+from syncwatch.instrument import identity as ident_mod
+from syncwatch.instrument import run as run_mod
+from syncwatch.instrument.clock import CudaEventClock, HostClock
+from syncwatch.instrument.monitor import Monitor
+from syncwatch.protocol import (PHASE_INDEX, EndRecord, HeartbeatRecord, Identity, StepRecord)
+from syncwatch.sender import Sender
+from syncwatch.skew import WindowResult
+from instrument.receiver import Receiver
+
+IDENT = Identity(train_job="unit", attempt=0, rank=0, local_rank=0, world_size=4, node="n1",
+                 pid=os.getpid())
+
+
+def wait_for(cond, timeout=3.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.fixture
+def rx(sock_path):
+    r = Receiver(sock_path)
+    yield r
+    r.close()
+
+
+def make_monitor(rx, **kw):
+    kw.setdefault("heartbeat_seconds", 0)
+    return Monitor(kw.pop("identity", IDENT), Sender(rx.path), **kw)
+
+
+def steps(rx, n):
+    assert wait_for(lambda: len(rx.of(StepRecord)) >= n), rx.records
+    return rx.of(StepRecord)
+
+
+def phase(rec, name):
+    return rec.phase_seconds[PHASE_INDEX[name]]
+
+
+# --------------------------------------------------------------------------- phases and steps
+
+def test_phases_steps_and_samples_reach_the_daemon(rx):
+    m = make_monitor(rx)
+    for _ in range(2):
+        with m.phase("data"):
+            time.sleep(0.01)
+        with m.phase("forward"):
+            time.sleep(0.02)
+        with m.phase("my-custom-phase"):
+            time.sleep(0.005)
+        with m.phase("checkpoint"):
+            pass
+        m.step(samples=32, tokens=4096)
+    recs = steps(rx, 2)
+    r = recs[-1]
+    assert [x.step for x in recs] == [1, 2]
+    assert 0.02 <= phase(r, "forward") < 0.05
+    assert 0.01 <= phase(r, "data") < 0.04
+    assert 0.005 <= phase(r, "other") < 0.03
+    assert r.step_seconds >= sum(r.phase_seconds)
+    assert r.totals.steps == 2 and r.totals.samples == 64 and r.totals.tokens == 8192
+    assert r.has_tokens and r.totals.checkpoints == 2
+    assert r.totals.step_seconds == pytest.approx(sum(x.step_seconds for x in recs))
+    assert not r.exact and r.skew is None
+    m.shutdown()
+    assert wait_for(lambda: rx.of(EndRecord))
+    assert rx.of(EndRecord)[0].last_step == 2 and rx.of(EndRecord)[0].reason == "completed"
+
+
+def test_collective_wait_moves_from_the_enclosing_phase_to_sync(rx):
+    m = make_monitor(rx)
+    with m.phase("backward"):
+        time.sleep(0.02)
+        m.timed_collective(time.sleep, (0.05,), {}, async_index=1)
+    m.step(1)
+    r = steps(rx, 1)[0]
+    assert 0.05 <= phase(r, "sync") < 0.08
+    assert 0.02 <= phase(r, "backward") < 0.045  # the 50 ms wait is not backward compute
+    assert r.wait_seconds == phase(r, "sync")
+    assert r.collective_sequence == 1
+    m.shutdown()
+
+
+def test_async_collective_is_counted_not_timed(rx):
+    m = make_monitor(rx)
+    m.timed_collective(lambda *a, **k: time.sleep(0.03), (1, 2, 3, True), {}, async_index=3)
+    m.timed_collective(lambda *a, **k: None, (), {"async_op": True}, async_index=3)
+    m.step(1)
+    r = steps(rx, 1)[0]
+    assert r.collective_sequence == 2 and phase(r, "sync") == 0.0
+    m.shutdown()
+
+
+def test_ddp_gradient_wait_is_last_bucket_ready_to_done(rx):
+    m = make_monitor(rx)
+    with m.phase("backward"):
+        m.bucket_ready()          # bucket 0 ready: its collective overlaps compute
+        time.sleep(0.02)
+        m.bucket_done()
+        m.bucket_ready()          # last bucket: backward compute ends here
+        time.sleep(0.03)          # waiting for the slowest rank
+        m.bucket_done()
+    m.step(1)
+    r = steps(rx, 1)[0]
+    assert 0.03 <= r.wait_seconds < 0.045
+    assert 0.02 <= phase(r, "backward") < 0.035
+    assert r.collective_sequence == 2
+    m.shutdown()
+
+
+def test_errors_inside_the_training_code_pass_through_untouched(rx):
+    m = make_monitor(rx)
+    with pytest.raises(KeyError):
+        with m.phase("forward"):
+            raise KeyError("user bug")
+
+    def failing_collective():
+        raise RuntimeError("peer gone")
+    with pytest.raises(RuntimeError, match="peer gone"):
+        m.timed_collective(failing_collective, (), {}, async_index=3)
+    m.step(1)
+    r = steps(rx, 1)[0]
+    assert r.totals.internal_errors == 0 and r.collective_sequence == 1
+    m.shutdown()
+
+
+class BrokenClock(HostClock):
+    def __init__(self):
+        self.calls = 0
+        self.broken = True
+
+    def mark(self):
+        self.calls += 1
+        if self.broken and self.calls > 1:  # the constructor's first mark works
+            raise OSError("clock broke")
+        return time.perf_counter_ns()
+
+
+def test_internal_errors_are_counted_and_never_raised(rx, caplog):
+    clock = BrokenClock()
+    m = make_monitor(rx, clock=clock)
+    for _ in range(3):
+        with m.phase("forward"):
+            pass
+        m.step(1)                    # all fail inside: nothing may escape
+    clock.broken = False
+    m.step(1)
+    r = steps(rx, 1)[-1]
+    assert r.totals.internal_errors == 9  # 3 x (phase enter, phase exit, step)
+    assert sum("internal error" in rec.message for rec in caplog.records) == 1  # logged once
+    m.shutdown()
+
+
+def test_step_number_going_backwards_starts_a_new_attempt(rx):
+    m = make_monitor(rx)
+    for s in (1, 2, 3, 2, 3):
+        m.step(1, step=s)
+    recs = steps(rx, 5)
+    assert [(r.step, r.identity.attempt) for r in recs] == [(1, 0), (2, 0), (3, 0), (2, 1), (3, 1)]
+    m.shutdown()
+
+
+class FakeExchange:
+    def __init__(self):
+        import collections
+        self.results = collections.deque()
+        self.windows = []
+
+    def submit(self, waits):
+        self.windows.append(list(waits))
+
+    def drain(self, timeout):
+        return True
+
+    def stop(self, timeout=0):
+        pass
+
+
+def test_exchange_windows_and_results_feed_slack_and_rank0_skew(rx):
+    ex = FakeExchange()
+    m = make_monitor(rx, exchange=ex, exchange_every=3)
+    for _ in range(3):
+        m.step(1)
+    assert len(ex.windows) == 1 and len(ex.windows[0]) == 3
+    ex.results.append(WindowResult(0.09, 2, (0.03, 0.0004, 0.2)))
+    m.step(1)
+    r = steps(rx, 4)[-1]
+    assert r.exact and r.totals.slack_seconds == pytest.approx(0.09) and r.totals.last_arrivals == 2
+    assert r.skew.count == 3 and r.skew.sum == pytest.approx(0.2304)
+    assert r.skew.buckets[2] == 1 and r.skew.buckets[-1] == 3
+    m.shutdown()
+
+    rx.records.clear()
+    ex2 = FakeExchange()
+    m2 = make_monitor(rx, exchange=ex2, exchange_every=1,
+                      identity=Identity("unit", 0, 3, 3, 4, "n1", os.getpid()))
+    ex2.results.append(WindowResult(0.0, 1, (0.5,)))
+    m2.step(1)
+    r = steps(rx, 1)[0]
+    assert r.exact and r.skew is None and r.totals.last_arrivals == 1  # only rank 0 sends skew
+    m2.shutdown()
+
+
+def test_heartbeat_shows_a_rank_inside_a_collective(rx):
+    m = make_monitor(rx, heartbeat_seconds=0.05)
+    m.step(1)
+    with m.phase("backward"):
+        m.timed_collective(time.sleep, (0.4,), {}, async_index=1)
+    m.shutdown()
+    hbs = rx.of(HeartbeatRecord)
+    in_sync = [h for h in hbs if h.phase == "sync"]
+    assert len(in_sync) >= 3
+    assert max(h.phase_elapsed for h in in_sync) >= 0.2
+    assert all(h.last_step == 1 and h.collective_sequence == 1 for h in in_sync)
+    assert in_sync[0].last_step_wall_time > 1e9
+
+
+def test_daemon_absent_drops_and_counts(tmp_path):
+    m = Monitor(IDENT, Sender(str(tmp_path / "nobody.sock")), heartbeat_seconds=0)
+    for _ in range(5):
+        m.step(1)
+    assert m.sender.dropped == 5 and m.totals.steps == 5
+    m.shutdown()
+
+
+# --------------------------------------------------------------------------- CUDA events
+
+class FakeStream:
+    """A device stream: the test enqueues work (ms) and lets the device run."""
+
+    def __init__(self):
+        self.enqueued = 0.0
+        self.done = 0.0
+
+    def launch(self, ms):
+        self.enqueued += ms
+
+    def run(self):
+        self.done = self.enqueued
+
+
+class FakeEvent:
+    """Shaped like ``torch.cuda.Event(enable_timing=True)``."""
+    created = 0
+
+    def __init__(self, stream):
+        FakeEvent.created += 1
+        self.stream = stream
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = self.stream.enqueued
+
+    def query(self):
+        return self.t is not None and self.stream.done >= self.t
+
+    def elapsed_time(self, end):
+        if not (self.query() and end.query()):
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
+        return end.t - self.t
+
+    def synchronize(self):
+        raise AssertionError("synchronize() on the hot path")
+
+
+def test_cuda_events_are_resolved_lazily_without_synchronize(rx):
+    dev = FakeStream()
+    m = make_monitor(rx, clock=CudaEventClock(lambda: FakeEvent(dev)))
+    for _ in range(2):
+        with m.phase("forward"):
+            dev.launch(10)
+        with m.phase("backward"):
+            dev.launch(5)
+            m.bucket_ready()
+            dev.launch(7)         # the all-reduce, ending after the slowest rank arrived
+            m.bucket_done()
+        m.step(8)
+    time.sleep(0.05)
+    assert rx.of(StepRecord) == []            # the device has not got there yet: nothing read
+    dev.run()
+    with m.phase("forward"):
+        dev.launch(3)
+    m.step(8)                                 # resolves steps 1 and 2, not 3
+    recs = steps(rx, 2)
+    time.sleep(0.05)
+    assert [r.step for r in rx.of(StepRecord)] == [1, 2]
+    for r in recs:
+        assert phase(r, "forward") == pytest.approx(0.010)
+        assert phase(r, "backward") == pytest.approx(0.005)
+        assert r.wait_seconds == pytest.approx(0.007) == phase(r, "sync")
+        assert r.step_seconds == pytest.approx(0.022)
+    created = FakeEvent.created
+    for _ in range(20):                       # events are recycled once resolved
+        with m.phase("forward"):
+            dev.launch(1)
+        m.step(1)
+        dev.run()
+    assert FakeEvent.created - created <= 4
+    m.shutdown()                              # resolves the rest by polling, never synchronize
+    assert wait_for(lambda: len(rx.of(StepRecord)) == 23)
+    assert [r.step for r in rx.of(StepRecord)] == list(range(1, 24))
+
+
+def test_cuda_steps_waiting_on_a_stuck_device_are_bounded(rx):
+    dev = FakeStream()
+    m = make_monitor(rx, clock=CudaEventClock(lambda: FakeEvent(dev)))
+    for _ in range(100):
+        dev.launch(1)
+        m.step(1)
+    assert len(m._pending) == 64
+    m.shutdown(timeout=0.05)
+
+
+@pytest.mark.gpu
+def test_cuda_event_clock_times_device_work():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    clock = CudaEventClock()
+    a = clock.mark()
+    torch.cuda._sleep(50_000_000)
+    b = clock.mark()
+    while not clock.ready(b):
+        time.sleep(0.001)
+    assert clock.elapsed(a, b) > 0.001
+    assert ident_mod.cuda_uuid(0).startswith("GPU-")
+
+
+# --------------------------------------------------------------------------- identity, API, CLI
+
+def test_identity_from_torchrun_slurm_and_kubernetes():
+    env = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "run 42!",
+           "TORCHELASTIC_RESTART_COUNT": "2", "NODE_NAME": "gpu-node-7"}
+    i = ident_mod.resolve(env=env)
+    assert (i.rank, i.local_rank, i.world_size, i.attempt) == (5, 1, 8, 2)
+    assert i.train_job == "run_42_" and i.node == "gpu-node-7"
+    slurm = {"SLURM_PROCID": "3", "SLURM_LOCALID": "3", "SLURM_NTASKS": "16",
+             "SLURM_JOB_ID": "777", "SLURM_RESTART_COUNT": "1", "SYNCWATCH_NODE": "n9"}
+    i = ident_mod.resolve(env=slurm)
+    assert (i.rank, i.local_rank, i.world_size, i.attempt, i.train_job, i.node) == (
+        3, 3, 16, 1, "777", "n9")
+    i = ident_mod.resolve(env={"SYNCWATCH_JOB": "mine", "TORCHELASTIC_RUN_ID": "x"})
+    assert i.train_job == "mine" and i.attempt == 0
+    assert ident_mod.resolve(env={}).train_job.startswith("job-")
+    i.encode()  # valid for the protocol
+
+
+def test_api_is_a_noop_without_torch_distributed():
+    code = ("import sys, syncwatch.instrument as sw\n"
+            "assert 'torch' not in sys.modules and 'prometheus_client' not in sys.modules\n"
+            "with sw.phase('forward'): pass\n"
+            "sw.step(3); sw.shutdown()\n"
+            "assert sw.init() is None and sw.current() is None\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_syncwatch_run_environment_and_errors(tmp_path):
+    parser = __import__("argparse").ArgumentParser()
+    run_mod.add_arguments(parser)
+    args = parser.parse_args(["--socket", "/s.sock", "--skew-every", "10", "torchrun",
+                              "--nproc-per-node", "4", "train.py"])
+    assert args.command == ["torchrun", "--nproc-per-node", "4", "train.py"]
+    env = run_mod.child_env(args, {"PYTHONPATH": "/mine"})
+    assert env["SYNCWATCH_SOCKET"] == "/s.sock" and env["SYNCWATCH_SKEW_EVERY"] == "10"
+    assert env["PYTHONPATH"].split(os.pathsep) == [run_mod.SITE_DIR, run_mod.PACKAGE_ROOT, "/mine"]
+    assert "SYNCWATCH_JOB" not in env
+    assert run_mod.main([]) == 2
+    assert run_mod.main(["/nonexistent/trainer"]) == 127
+    out = subprocess.run([sys.executable, "-m", "syncwatch.instrument.run", sys.executable, "-c",
+                          "import sys; print('syncwatch.instrument.auto' in sys.modules)"],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "True", out.stderr
+
+
+def test_register_handle_remove_restores_torch_distributed():
+    dist = pytest.importorskip("torch.distributed")
+    import syncwatch.instrument as sw
+    from syncwatch.instrument.hooks import COLLECTIVES
+    before = {name: getattr(dist, name) for name in COLLECTIVES}
+    handle = sw.register(collectives=True)
+    try:
+        for name, fn in before.items():
+            assert getattr(dist, name) is not fn and getattr(dist, name)._syncwatch_original is fn
+        again = sw.register(collectives=True)  # idempotent: no wrapper around a wrapper
+        assert all(getattr(dist, n)._syncwatch_original is before[n] for n in before)
+        again.remove()
+    finally:
+        handle.remove()
+    assert {name: getattr(dist, name) for name in COLLECTIVES} == before
+
+
+def test_ddp_hook_wrapper_times_buckets_and_passes_through_when_detached(rx):
+    torch = pytest.importorskip("torch")
+    from syncwatch.instrument import _state
+    from syncwatch.instrument.hooks import ddp_hook_wrapper
+
+    def user_hook(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket * state)
+        return fut
+    enabled = [True]
+    hook = ddp_hook_wrapper(user_hook, enabled)
+    m = make_monitor(rx)
+    _state.monitor = m
+    try:
+        out = hook(2.0, torch.ones(3)).wait()
+        assert torch.equal(out, torch.full((3,), 2.0))          # the user's hook's result
+        assert m.collective_sequence == 1 and m._ddp_done is not None
+        enabled[0] = False                                      # handle.remove()
+        assert torch.equal(hook(3.0, torch.ones(3)).wait(), torch.full((3,), 3.0))
+        assert m.collective_sequence == 1
+    finally:
+        _state.monitor = None
+        m.shutdown()

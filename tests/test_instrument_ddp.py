@@ -1,0 +1,237 @@
+"""Multi-process tests: real torch gloo ranks (one intra-op thread each) -> real daemon /metrics.
+
+Each rank is a process started like torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT from a free port); ``tests/instrument/ddp_worker.py`` is the training script.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import subprocess_env
+
+torch = pytest.importorskip("torch")
+daemon_app = pytest.importorskip("syncwatch.daemon.app")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from syncwatch.daemon.config import DaemonConfig  # noqa: E402
+
+WORKER = str(Path(__file__).parent / "instrument" / "ddp_worker.py")
+DELAY = 0.04
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, args: list[str], tmp_path: Path, tag: str, **env) -> list[subprocess.Popen]:
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        log = open(tmp_path / f"{tag}-rank{rank}.log", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, WORKER, *args], stdout=log, stderr=subprocess.STDOUT,
+            env=subprocess_env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT=port, **env)))
+    return procs
+
+
+def finish(procs, tmp_path: Path, tag: str, timeout: float = 90) -> None:
+    try:
+        for p in procs:
+            p.wait(timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = "\n".join(f.read_text()[-2000:] for f in sorted(tmp_path.glob(f"{tag}-rank*.log")))
+    assert [p.returncode for p in procs] == [0] * len(procs), logs
+
+
+class Metrics:
+    def __init__(self, url: str):
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        self.samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+    def get(self, name: str, **labels) -> list:
+        return [s for s in self.samples
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+
+    def by_rank(self, name: str, **labels) -> dict[int, float]:
+        return {int(s.labels["rank"]): s.value for s in self.get(name, **labels)}
+
+    def value(self, name: str, **labels) -> float | None:
+        found = self.get(name, **labels)
+        return found[0].value if found else None
+
+
+def scrape_until(daemon, cond, timeout: float = 30.0) -> Metrics:
+    end = time.monotonic() + timeout
+    while True:
+        m = Metrics(daemon.url)
+        if cond(m) or time.monotonic() > end:
+            return m
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def daemon(sock_path):
+    d = daemon_app.DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=sock_path, node="n1"))
+    running = d.__enter__()
+    yield running
+    d.__exit__(None, None, None)
+
+
+def test_straggler_is_named_by_exact_slack_and_last_arrivals(daemon, sock_path, tmp_path):
+    job = "straggler"
+    procs = launch(4, ["--instrument", "explicit", "--steps", "100", "--slow-rank", "2",
+                       "--delay", str(DELAY)], tmp_path, job,
+                   SYNCWATCH_SOCKET=sock_path, SYNCWATCH_JOB=job, SYNCWATCH_SKEW_EVERY="20")
+    finish(procs, tmp_path, job)
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job)
+                     == {r: 100.0 for r in range(4)})
+    assert m.by_rank("syncwatch_steps_total", train_job=job) == {r: 100.0 for r in range(4)}
+    last = m.by_rank("syncwatch_last_arrivals_total", train_job=job)
+    exchanged = sum(last.values())  # steps covered by finished exchanges (ties are rare)
+    assert exchanged >= 60
+    assert last[2] >= 0.9 * exchanged, last
+    slack = m.by_rank("syncwatch_slack_seconds_total", train_job=job)
+    for r in (0, 1, 3):
+        assert slack[r] / exchanged == pytest.approx(DELAY, rel=0.10), (r, slack, exchanged)
+    assert slack[2] / exchanged < 0.1 * DELAY
+    count = m.value("syncwatch_barrier_skew_seconds_count", train_job=job)
+    total = m.value("syncwatch_barrier_skew_seconds_sum", train_job=job)
+    assert count >= 60 and 0.9 * DELAY <= total / count <= 1.3 * DELAY
+    below = m.value("syncwatch_barrier_skew_seconds_bucket", train_job=job, le="0.025")
+    assert below <= 0.1 * count  # the skew sits at the injected delay, not below it
+
+
+def load(out: Path, world: int):
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+def test_results_identical_with_daemon_absent_killed_and_restarted(sock_path, tmp_path):
+    args = ["--steps", "40", "--slow-rank", "1", "--delay", "0.005"]
+    world = 3  # not a power of two: 1/3 is inexact, so the arithmetic must match DDP's exactly
+    outs = {k: tmp_path / k for k in ("plain", "absent", "restarted")}
+    for o in outs.values():
+        o.mkdir()
+    config = DaemonConfig(listen="127.0.0.1:0", socket=sock_path, node="n1")
+    first = daemon_app.DaemonThread(config)
+    second = daemon_app.DaemonThread(config)
+    d = first.__enter__()
+    restarted = launch(world, [*args, "--instrument", "explicit", "--out", str(outs["restarted"]),
+                               "--step-pause", "0.03"], tmp_path, "restarted",
+                       SYNCWATCH_SOCKET=sock_path, SYNCWATCH_JOB="restarted",
+                       SYNCWATCH_SKEW_EVERY="10")
+    plain = absent = []
+    try:
+        m = scrape_until(d, lambda m: min(m.by_rank("syncwatch_steps_total").values() or [0]) >= 5,
+                         timeout=90)
+        steps_before = max(m.by_rank("syncwatch_steps_total").values() or [0])
+        assert 5 <= steps_before < 30, "the daemon must go down mid-run"
+        first.__exit__(None, None, None)      # daemon killed
+        time.sleep(0.3)
+        d = second.__enter__()                # and back
+        finish(restarted, tmp_path, "restarted")
+        every = {r: 40.0 for r in range(world)}
+        m = scrape_until(d, lambda m: m.by_rank("syncwatch_last_step", train_job="restarted") == every)
+        # records resumed; cumulative counters make the new daemon whole (it missed steps)
+        assert m.by_rank("syncwatch_last_step", train_job="restarted") == every
+        assert m.by_rank("syncwatch_steps_total", train_job="restarted") == every
+        dropped = m.value("syncwatch_client_dropped_records_total")
+        assert dropped is None or dropped > 0
+        plain = launch(world, [*args, "--out", str(outs["plain"])], tmp_path, "plain")
+        absent = launch(world, [*args, "--instrument", "explicit", "--out", str(outs["absent"])],
+                        tmp_path, "absent", SYNCWATCH_SOCKET=str(tmp_path / "nobody.sock"),
+                        SYNCWATCH_SKEW_EVERY="10")
+        finish(plain, tmp_path, "plain")
+        finish(absent, tmp_path, "absent")
+    finally:
+        for p in plain + absent + restarted:
+            p.kill()
+        first.__exit__(None, None, None)
+        second.__exit__(None, None, None)
+    ref = load(outs["plain"], world)
+    for kind in ("absent", "restarted"):
+        for a, b in zip(ref, load(outs[kind], world)):
+            for k in a["weights"]:
+                assert torch.equal(a["weights"][k], b["weights"][k]), (kind, k)
+            for ga, gb in zip(a["grads"], b["grads"]):
+                assert torch.equal(ga, gb), kind
+
+
+def test_zero_code_change_under_syncwatch_run(daemon, sock_path, tmp_path):
+    steps, delay = 40, 0.03
+    log = open(tmp_path / "zc.log", "w")
+    proc = subprocess.run(
+        [sys.executable, "-m", "syncwatch.instrument.run", "--job", "zc", "--skew-every", "10",
+         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         WORKER, "--steps", str(steps), "--slow-rank", "1", "--delay", str(delay)],
+        env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log, stderr=subprocess.STDOUT,
+        timeout=120)
+    assert proc.returncode == 0, (tmp_path / "zc.log").read_text()[-3000:]
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job="zc")
+                     == {0: steps, 1: steps})
+    assert m.by_rank("syncwatch_steps_total", train_job="zc") == {0: steps, 1: steps}
+    assert m.by_rank("syncwatch_samples_total", train_job="zc") == {0: 32 * steps, 1: 32 * steps}
+    step_s = m.by_rank("syncwatch_step_seconds_total", train_job="zc")
+    assert min(step_s.values()) >= steps * delay
+    sync = m.by_rank("syncwatch_phase_seconds_total", train_job="zc", phase="sync")
+    assert sync[0] >= 0.8 * steps * delay > sync[1]   # rank 0 waits for the slow rank 1
+    last = m.by_rank("syncwatch_last_arrivals_total", train_job="zc")
+    assert last[1] > last[0]
+    assert m.get("syncwatch_step_duration_seconds_count", train_job="zc")
+    assert m.get("syncwatch_sync_wait_seconds_count", train_job="zc")
+
+
+def test_rank_stuck_in_a_collective_stays_alive_and_behind(daemon, sock_path, tmp_path):
+    job = "hang"
+    procs = launch(4, ["--instrument", "explicit", "--steps", "100", "--hang-rank", "1",
+                       "--hang-step", "5", "--bucket-mb", "0.05"], tmp_path, job,
+                   SYNCWATCH_SOCKET=sock_path, SYNCWATCH_JOB=job, SYNCWATCH_HEARTBEAT="0.2")
+    try:
+        def stuck(m):
+            el = m.by_rank("syncwatch_rank_phase_elapsed_seconds", train_job=job, phase="sync")
+            return len(el) == 4 and min(el.values()) >= 1.0
+        m1 = scrape_until(daemon, stuck, timeout=60)
+        assert stuck(m1), m1.get("syncwatch_rank_phase_elapsed_seconds")
+        time.sleep(1.0)
+        m2 = Metrics(daemon.url)
+        assert all(p.poll() is None for p in procs)  # nobody crashed: they are blocked
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+    assert m2.by_rank("syncwatch_last_step", train_job=job) == {r: 5.0 for r in range(4)}
+    ts1 = m1.by_rank("syncwatch_last_step_timestamp_seconds", train_job=job)
+    assert m2.by_rank("syncwatch_last_step_timestamp_seconds", train_job=job) == ts1  # stalled
+    el1 = m1.by_rank("syncwatch_rank_phase_elapsed_seconds", train_job=job, phase="sync")
+    el2 = m2.by_rank("syncwatch_rank_phase_elapsed_seconds", train_job=job, phase="sync")
+    assert all(el2[r] >= el1[r] + 0.5 for r in range(4))     # heartbeats keep coming
+    seq = m2.by_rank("syncwatch_collective_sequence", train_job=job)
+    assert seq[1] < min(seq[r] for r in (0, 2, 3)), seq     # the rank behind
+
+
+def test_restart_resuming_from_an_earlier_step_counts_rerun_steps(daemon, sock_path, tmp_path):
+    job = "elastic"
+    env = dict(SYNCWATCH_SOCKET=sock_path, SYNCWATCH_JOB=job, SYNCWATCH_SKEW_EVERY="0")
+    first = launch(1, ["--instrument", "explicit", "--steps", "30"], tmp_path, "attempt0", **env)
+    finish(first, tmp_path, "attempt0")
+    second = launch(1, ["--instrument", "explicit", "--steps", "30", "--start-step", "20"],
+                    tmp_path, "attempt1", TORCHELASTIC_RESTART_COUNT="1", **env)
+    finish(second, tmp_path, "attempt1")
+    m = scrape_until(daemon, lambda m: m.value("syncwatch_last_step", train_job=job) == 50)
+    assert m.value("syncwatch_last_step", train_job=job) == 50
+    assert m.value("syncwatch_job_attempt", train_job=job) == 1
+    assert m.value("syncwatch_job_restarts_total", train_job=job) == 1
+    assert m.value("syncwatch_job_rerun_steps_total", train_job=job) == 10  # steps 21..30 again
