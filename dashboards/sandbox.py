@@ -44,10 +44,10 @@ class SimJob:
     def node(self, n: int) -> str:
         return f"{self.train_job}-node{n:02d}"
 
-    @staticmethod
-    def gpu_uuid(n: int, local: int) -> str:
+    def gpu_uuid(self, n: int, local: int) -> str:
         """The uuid the simulator reports for node ``n``, local rank ``local``."""
-        return f"GPU-sim-{n:02d}-{local}"
+        from syncwatch.sim.driver import gpu_uuid
+        return gpu_uuid(self.node(n), local)
 
 
 def _load_sysfs_writer():
@@ -107,7 +107,7 @@ class Sandbox:
         """``jobs``: train_job -> simulator scenario, or (scenario, model parameter overrides).
         Each simulated second lasts ``step_scale``
         real seconds; rule windows are multiplied by ``rule_scale``. The first ``hardware_jobs``
-        jobs get fake GPUs and NICs (the simulator's GPU uuids repeat across jobs)."""
+        jobs get fake GPUs and NICs."""
         self.jobs = []
         for i, (name, spec) in enumerate(jobs.items()):
             scenario, params = (spec, None) if isinstance(spec, str) else spec

@@ -6,6 +6,11 @@ import json
 
 from syncwatch import cli
 
+# What diagnose must find in each simulator scenario, whether read from a recording or Prometheus.
+SCENARIO_MODES = {"healthy": set(), "straggler": {"straggler_persistent"}, "oscillation": {"oscillation"},
+                  "congestion": {"fabric_contention"}, "thermal": {"thermal_coupling"},
+                  "restarts": {"checkpoint_restart"}}
+
 
 def run_cli(monkeypatch, capsys, argv: list[str]) -> tuple[int, str, str]:
     """Run ``syncwatch ARGV`` in-process through ``cli.main`` with only the analysis subcommands

@@ -6,15 +6,12 @@ import json
 
 import pytest
 
-from analysis_helpers import run_cli
+from analysis_helpers import SCENARIO_MODES, run_cli
 from syncwatch.analysis import recording
 from syncwatch.analysis.diagnose import diagnose
 
 sim = pytest.importorskip("syncwatch.sim.scenarios", reason="the simulator (syncwatch.sim) is not in this checkout")
 
-EXPECTED = {"healthy": set(), "straggler": {"straggler_persistent"}, "oscillation": {"oscillation"},
-            "congestion": {"fabric_contention"}, "thermal": {"thermal_coupling"},
-            "restarts": {"checkpoint_restart"}}
 START = 1.7e9
 
 
@@ -24,10 +21,10 @@ def recorded(name: str, seed: int = 0, **params) -> dict:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("name", sorted(SCENARIO_MODES))
 def test_each_scenario_is_diagnosed_as_its_own_failure_mode(name, seed):
     d = diagnose(recording.to_view(recorded(name, seed), "test"))
-    assert {f.mode for f in d.findings} == EXPECTED[name], [f.title for f in d.findings]
+    assert {f.mode for f in d.findings} == SCENARIO_MODES[name], [f.title for f in d.findings]
     assert d.healthy == (name == "healthy")
 
 

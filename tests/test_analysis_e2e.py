@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
 import time
-import urllib.request
 
 import pytest
 
-from analysis_helpers import run_cli
+from analysis_helpers import SCENARIO_MODES, run_cli
+from syncwatch.stack import Prometheus, wait_until
 
-PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="needs the Debian package prometheus")
+pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
+                                reason="prometheus missing (Debian package: prometheus)")
 daemon_app = pytest.importorskip("syncwatch.daemon.app", reason="the daemon (syncwatch.daemon) is not in this checkout")
 daemon_config = pytest.importorskip("syncwatch.daemon.config")
 scenarios = pytest.importorskip("syncwatch.sim.scenarios", reason="the simulator (syncwatch.sim) is not in this checkout")
@@ -30,55 +28,21 @@ scenarios = pytest.importorskip("syncwatch.sim.scenarios", reason="the simulator
 NODES, RANKS_PER_NODE = 4, 4
 TIME_SCALE = 0.025
 SCRAPE = 0.5
-EXPECTED = {"healthy": set(), "straggler": {"straggler_persistent"}, "oscillation": {"oscillation"},
-            "congestion": {"fabric_contention"}, "thermal": {"thermal_coupling"},
-            "restarts": {"checkpoint_restart"}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prometheus exited with {proc.returncode}: {proc.stderr.read()[-2000:]!r}")
-        try:
-            with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("prometheus not ready")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     """Run every scenario through real daemons into one real Prometheus; yield (url, {name: (start, end)})."""
-    d = tmp_path_factory.mktemp("e2e")
     daemons = [daemon_app.DaemonThread(daemon_config.DaemonConfig(
         listen="127.0.0.1:0", socket=None, udp="127.0.0.1:0", node=f"sim-node-{n:02d}")) for n in range(NODES)]
     running = [x.start() for x in daemons]
-    port = free_port()
-    cfg = d / "prometheus.yml"
-    cfg.write_text(
-        f"global:\n  scrape_interval: {int(SCRAPE * 1000)}ms\n  scrape_timeout: {int(SCRAPE * 1000)}ms\n"
-        "scrape_configs:\n  - job_name: syncwatch\n    static_configs:\n"
-        f"      - targets: [{', '.join(repr(r.url.split('//')[1]) for r in running)}]\n")
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={d / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    prom = Prometheus([r.url.split("//", 1)[1] for r in running], scrape_interval=f"{int(SCRAPE * 1000)}ms")
     try:
-        wait_ready(url, proc)
-        time.sleep(2 * SCRAPE)
+        prom.start()
+        wait_until(prom.targets_up, 20, what="a first scrape of every daemon")
         targets = [{"udp": r.udp_address} for r in running]
         threads, ranges = {}, {}
-        for name in EXPECTED:
+        for name in SCENARIO_MODES:
             t = scenarios.ScenarioThread(name, targets, NODES, RANKS_PER_NODE,
                                          steps=scenarios.DEFAULT_STEPS[name], job=f"e2e-{name}",
                                          fast=False, time_scale=TIME_SCALE, seed=1, exchange_every=10)
@@ -90,15 +54,14 @@ def cluster(tmp_path_factory):
             assert not t.is_alive() and t.error is None, (name, t.error)
             ranges[name][1] = time.time()
         time.sleep(3 * SCRAPE)  # the last records reach a scrape
-        yield url, {k: (s, e + 2 * SCRAPE) for k, (s, e) in ranges.items()}
+        yield prom.url, {k: (s, e + 2 * SCRAPE) for k, (s, e) in ranges.items()}
     finally:
-        proc.terminate()
-        proc.wait(10)
+        prom.stop()
         for x in daemons:
             x.stop()
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("name", sorted(SCENARIO_MODES))
 def test_scenario_diagnosed_through_prometheus(cluster, name, monkeypatch, capsys):
     url, ranges = cluster
     start, end = ranges[name]
@@ -107,7 +70,7 @@ def test_scenario_diagnosed_through_prometheus(cluster, name, monkeypatch, capsy
         "--end", f"{end:.3f}", "--window", "1.5", "--json"])
     assert code == 0, err
     d = json.loads(out)
-    assert {f["mode"] for f in d["findings"]} == EXPECTED[name], json.dumps(d["findings"], indent=1)[:3000]
+    assert {f["mode"] for f in d["findings"]} == SCENARIO_MODES[name], json.dumps(d["findings"], indent=1)[:3000]
     assert d["ranks"] == NODES * RANKS_PER_NODE, d["scores"]
     if name == "healthy":
         assert d["verdict"] == "no structural problem found"

@@ -1,12 +1,12 @@
 """Run real Prometheus and Alertmanager as subprocesses on loopback (tests, demo, local use).
 
     with Prometheus(targets=["127.0.0.1:9477"], rule_files=[...]) as prom:
-        prom.wait_for(lambda: prom.query("up") != [])
+        wait_until(lambda: prom.query("up"), 30, what="a first scrape")
 
 Each server gets a generated config, a private temporary directory for its storage, and a free
 loopback port (Prometheus and Alertmanager cannot report a port-0 bind, so a free port is picked
 first and the start retried if another process takes it meanwhile). ``stop()`` terminates the
-process and removes the directory. Queries go through the HTTP API with urllib.
+process and removes the directory. Queries go through the HTTP API with ``syncwatch.promapi``.
 
 ``syncwatch stack up`` runs both next to the demo or a real daemon until Ctrl-C.
 """
@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Sequence
 
 import yaml
 
+from . import promapi
 from .cli import add_flag
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,15 +80,19 @@ def wait_until(predicate: Callable[[], object], timeout: float, interval: float 
 
 
 class _Server:
-    """A server process on a free loopback port with a private work directory."""
+    """A server process on a free loopback port with a work directory (``workdir``, created if
+    missing, or a private temporary one removed on ``stop()``) holding its YAML ``config``."""
 
     name = "server"
     ready_path = "/-/ready"
 
-    def __init__(self, binary: str, workdir: str | None = None, log_to: str | None = None):
+    def __init__(self, binary: str, config: dict, workdir: str | None = None, log_to: str | None = None):
         self.binary = binary
+        self.config = config
         self._own_dir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"sw-{self.name}-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path = self.workdir / f"{self.name}.yml"
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.log_path = Path(log_to) if log_to else self.workdir / f"{self.name}.log"
@@ -100,7 +105,7 @@ class _Server:
         raise NotImplementedError
 
     def _write_config(self) -> None:
-        raise NotImplementedError
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
 
     def start(self, timeout: float = 30.0, port: int = 0) -> "_Server":
         """Start and wait until ready. ``port=0`` picks a free one (retried on a lost race)."""
@@ -173,9 +178,8 @@ class Prometheus(_Server):
         """``resend_delay``: how often a firing alert is re-sent to Alertmanager; an alert firing
         before Alertmanager is discovered (the first seconds) is only delivered at its next resend,
         so tests use a short one."""
-        super().__init__(binary or find_binary(PROMETHEUS_BINARIES, "prometheus"), workdir, log_to)
         self.resend_delay = resend_delay
-        self.config = {
+        config = {
             "global": {"scrape_interval": scrape_interval, "evaluation_interval": evaluation_interval},
             "rule_files": [str(Path(p).resolve()) for p in rule_files],
             "scrape_configs": [{"job_name": scrape_job, "scrape_interval": scrape_interval,
@@ -184,30 +188,25 @@ class Prometheus(_Server):
         }
         if alertmanager_url:
             hostport = urllib.parse.urlsplit(alertmanager_url).netloc
-            self.config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [hostport]}]}]}
-        self.config_path = self.workdir / "prometheus.yml"
-
-    def _write_config(self) -> None:
-        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+            config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [hostport]}]}]}
+        super().__init__(binary or find_binary(PROMETHEUS_BINARIES, "prometheus"), config, workdir, log_to)
 
     def _args(self) -> list[str]:
         return [f"--config.file={self.config_path}", f"--storage.tsdb.path={self.workdir / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle",
                 f"--rules.alert.resend-delay={self.resend_delay}", "--log.level=warn"]
 
-    # --- HTTP API
+    # --- HTTP API, through syncwatch.promapi
+    @property
+    def client(self) -> promapi.Client:
+        return promapi.Client(self.url, timeout=10)
+
     def api(self, path: str, **params) -> object:
-        url = f"{self.url}/api/v1/{path}"
-        if params:
-            url += "?" + urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+        """The ``data`` of ``/api/v1/<path>``; every failure is a ``StackError`` saying why."""
         try:
-            body = json.loads(http_get(url, timeout=10))
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")
-            raise StackError(f"GET {url}: HTTP {e.code}: {detail}") from None
-        if body.get("status") != "success":
-            raise StackError(f"GET {url}: {body.get('error', body)}")
-        return body["data"]
+            return self.client.api(path, **params)
+        except promapi.PrometheusError as e:
+            raise StackError(str(e)) from None
 
     def query(self, expr: str, time: float | None = None) -> list[dict]:
         """Instant query: a list of ``{"metric": {...}, "value": [ts, "v"]}``."""
@@ -232,9 +231,12 @@ class Prometheus(_Server):
         return bool(active) and all(t["health"] == "up" for t in active)
 
     def reload(self) -> None:
+        """Rewrite the configuration and have the running server load it."""
         self._write_config()
-        req = urllib.request.Request(self.url + "/-/reload", method="POST")
-        urllib.request.urlopen(req, timeout=10).close()
+        try:
+            self.client.request("/-/reload", form={})
+        except promapi.PrometheusError as e:
+            raise StackError(str(e)) from None
 
 
 class Alertmanager(_Server):
@@ -244,13 +246,10 @@ class Alertmanager(_Server):
 
     def __init__(self, config: dict | str | Path, *, binary: str | None = None,
                  workdir: str | None = None, log_to: str | None = None):
+        if not isinstance(config, dict):
+            config = yaml.safe_load(Path(config).read_text())
         super().__init__(binary or find_binary(ALERTMANAGER_BINARIES, "prometheus-alertmanager"),
-                         workdir, log_to)
-        self.config = config if isinstance(config, dict) else yaml.safe_load(Path(config).read_text())
-        self.config_path = self.workdir / "alertmanager.yml"
-
-    def _write_config(self) -> None:
-        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+                         config, workdir, log_to)
 
     def _args(self) -> list[str]:
         return [f"--config.file={self.config_path}", f"--storage.path={self.workdir / 'data'}",
@@ -342,10 +341,8 @@ def run_up(args: argparse.Namespace) -> int:
         am = None
         if not args.no_alertmanager:
             am = Alertmanager(args.alertmanager_config, workdir=str(work / "alertmanager"))
-            (work / "alertmanager").mkdir(parents=True, exist_ok=True)
             am.start(port=args.alertmanager_port)
             servers.append(am)
-        (work / "prometheus").mkdir(parents=True, exist_ok=True)
         prom = Prometheus(workdir=str(work / "prometheus"))
         prom.config = shipped_prometheus_config(targets, rule_files, args.scrape_interval,
                                                 am.url if am else None)

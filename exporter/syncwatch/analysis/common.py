@@ -1,4 +1,4 @@
-"""What every analysis command shares: the error that exits 2, output, number and time formats."""
+"""What every analysis command shares: the error that exits 2, output, number and time formats, small statistics."""
 
 from __future__ import annotations
 
@@ -81,6 +81,21 @@ def human_seconds(s: float | None) -> str:
 
 def pct(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:.1f} %"
+
+
+def ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{1e3 * x:.1f} ms"
+
+
+def lag1(xs: list[float], min_points: int = 3) -> float | None:
+    """Lag-1 autocorrelation of ``xs`` (None with fewer than ``min_points`` or no variation)."""
+    if len(xs) < min_points:
+        return None
+    m = sum(xs) / len(xs)
+    den = sum((x - m) ** 2 for x in xs)
+    if den == 0:
+        return None
+    return sum((a - m) * (b - m) for a, b in zip(xs, xs[1:])) / den
 
 
 class Given:

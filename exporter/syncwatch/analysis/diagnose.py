@@ -21,7 +21,7 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from .common import command, emit_json, pct
+from .common import command, emit_json, lag1, ms, pct
 from .source import add_source_flags, view_from_args
 from .view import BYTES_SERIES, CONGESTION_SERIES, JobView
 
@@ -239,7 +239,7 @@ def detect_thermal(v: JobView, s: dict, th: Thresholds, found: list[Finding]) ->
                              "value": round(share, 3),
                              "reading": f"in each window one node takes {pct(share)} of last arrivals, "
                                         f"but the straggling node moves: {', '.join(distinct)}"})
-            step_ac = _lag1([x for x in v.mean_step_series() if x is not None])
+            step_ac = lag1([x for x in v.mean_step_series() if x is not None], min_points=4)
             if step_ac is not None:
                 evidence.append({"series": "train_job:syncwatch_step_seconds:mean5m (lag-1 autocorrelation "
                                            "across windows)", "value": round(step_ac, 3),
@@ -280,14 +280,6 @@ def _hotter(temps: dict[str, list], node: str) -> float | None:
     if mine is None or not others:
         return None
     return mine - statistics.median(others)
-
-
-def _lag1(xs: list[float]) -> float | None:
-    if len(xs) < 4:
-        return None
-    m = sum(xs) / len(xs)
-    den = sum((x - m) ** 2 for x in xs)
-    return sum((a - m) * (b - m) for a, b in zip(xs, xs[1:])) / den if den else None
 
 
 def detect_oscillation(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
@@ -478,7 +470,7 @@ def summary(d: Diagnosis) -> str:
     s = d.scores
     lines = [f"syncwatch diagnose: train job {d.job} — {d.ranks} ranks on {d.nodes} nodes, "
              f"{d.steps:,.0f} steps ({d.source})",
-             f"  mean step {_ms(s['mean_step_seconds'])}, sync tax {pct(s['sync_tax'])}, coupling "
+             f"  mean step {ms(s['mean_step_seconds'])}, sync tax {pct(s['sync_tax'])}, coupling "
              f"{pct(s['coupling'])}, step CV {pct(s['step_cv'])}, straggler concentration "
              f"{pct(s['straggler_concentration'])}"]
     if d.healthy:
@@ -495,10 +487,6 @@ def summary(d: Diagnosis) -> str:
         lines.append("")
         lines += [f"  note: {n}" for n in d.notes]
     return "\n".join(lines)
-
-
-def _ms(x: float | None) -> str:
-    return "n/a" if x is None else f"{1e3 * x:.1f} ms"
 
 
 def register(subparsers) -> None:

@@ -20,7 +20,7 @@ import json
 import math
 from pathlib import Path
 
-from .common import AnalysisError
+from .common import AnalysisError, lag1
 from .view import JobView, windows
 
 FORMAT = "syncwatch-run/1"
@@ -117,7 +117,7 @@ def to_view(run: dict, source: str, start: float | None = None, end: float | Non
                 per_rank["last_arrivals"][r][w] += 1
         recent.append(s["seconds"])
         del recent[:-TRAILING]
-        cv[w], ac[w] = _cv(recent), _lag1(recent)
+        cv[w], ac[w] = _cv(recent), lag1(recent)
     restarts = run.get("restarts") or []
     rerun = []
     for t in times:
@@ -147,13 +147,3 @@ def _cv(xs: list[float]) -> float | None:
         return None
     m = sum(xs) / len(xs)
     return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs)) / m if m > 0 else None
-
-
-def _lag1(xs: list[float]) -> float | None:
-    if len(xs) < 3:
-        return None
-    m = sum(xs) / len(xs)
-    den = sum((x - m) ** 2 for x in xs)
-    if den == 0:
-        return None
-    return sum((a - m) * (b - m) for a, b in zip(xs, xs[1:])) / den

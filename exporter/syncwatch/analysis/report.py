@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .. import __version__, cli
 from . import svg
-from .common import AnalysisError, command, pct
+from .common import AnalysisError, command, ms, pct
 from .diagnose import Diagnosis, diagnose
 from .project import Options, measurement, projection
 from .source import add_source_flags, view_from_args
@@ -69,7 +69,7 @@ def _section(key: str, title: str, inner: str) -> str:
 
 def _diagnosis_section(d: Diagnosis) -> str:
     s = d.scores
-    head = (f"<p>Mean step {_ms(s['mean_step_seconds'])} · sync tax {pct(s['sync_tax'])} · coupling "
+    head = (f"<p>Mean step {ms(s['mean_step_seconds'])} · sync tax {pct(s['sync_tax'])} · coupling "
             f"{pct(s['coupling'])} · step CV {pct(s['step_cv'])} · straggler concentration "
             f"{pct(s['straggler_concentration'])} · {d.steps:,.0f} steps</p>")
     if d.healthy:
@@ -86,10 +86,6 @@ def _diagnosis_section(d: Diagnosis) -> str:
                       f"<p><strong>Options:</strong></p><ul>{opts}</ul></div>")
     notes = "".join(f'<p class="note">{escape(n)}</p>' for n in d.notes)
     return _section("diagnosis", "Diagnosis", head + items + notes)
-
-
-def _ms(x):
-    return "n/a" if x is None else f"{1e3 * x:.1f} ms"
 
 
 def _scores_section(v: JobView) -> str:
@@ -154,7 +150,7 @@ def _projection_section(proj: dict | None, error: str | None) -> str:
     table = ("<table><tr><th>nodes</th><th>ranks</th><th>mean step</th><th>step CV</th><th>coupling</th>"
              "<th>throughput</th><th>scaling efficiency</th></tr>")
     for p in rows:
-        table += (f"<tr><td>{p['nodes']}</td><td>{p['ranks']}</td><td>{_ms(p['mean_step_seconds'])}</td>"
+        table += (f"<tr><td>{p['nodes']}</td><td>{p['ranks']}</td><td>{ms(p['mean_step_seconds'])}</td>"
                   f"<td>{pct(p['step_cv'])}</td><td>{pct(p['coupling'])}</td><td>{p['throughput']:.1f}</td>"
                   f"<td>{pct(p.get('scaling_efficiency', 1.0))}</td></tr>")
     table += "</table>"

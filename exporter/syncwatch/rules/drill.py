@@ -128,8 +128,6 @@ def run_drill(faults=("healthy", "variance", "straggler", "stall"), *, time_scal
                                           node=f"sim-node-{n:02d}"))
             d.start()
             daemons.append(d)
-        (work / "am").mkdir(exist_ok=True)
-        (work / "prom").mkdir(exist_ok=True)
         am = Alertmanager(alertmanager_config_for_test(am_base, webhook.url), workdir=str(work / "am"))
         am.start()
         servers.append(am)

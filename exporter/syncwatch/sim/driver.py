@@ -37,6 +37,11 @@ def node_name(prefix: str, n: int) -> str:
     return f"{prefix}{n:02d}"
 
 
+def gpu_uuid(node: str, local: int) -> str:
+    """The uuid a simulated rank reports: one GPU per local rank, unique per simulated node."""
+    return f"GPU-{node}-{local}"
+
+
 @dataclass
 class GroundTruth:
     """What really happened, and what the ranks reported, for tests and the demo's summary."""
@@ -176,7 +181,7 @@ class Driver:
             ident = Identity(train_job=self.job, attempt=attempt, rank=g, local_rank=local,
                              world_size=p.world_size, node=node_name(self.node_prefix, n),
                              pid=100_000 + attempt * 65_536 + g, gpu=local,
-                             gpu_uuid=f"GPU-sim-{n:02d}-{local}")
+                             gpu_uuid=gpu_uuid(node_name(self.node_prefix, n), local))
             target = self.targets[n] if self.targets is not None else None
             self.ranks.append(_Rank(ident, target, self.retry_seconds))
         self._window_steps = []

@@ -1,0 +1,116 @@
+"""The one client for Prometheus' HTTP API (``/api/v1/...``), on urllib.
+
+    client = Client("http://127.0.0.1:9090")
+    client.api("query", query="up")  # the answer's data: {"resultType": "vector", "result": [...]}
+    client.api("targets")            # {"activeTargets": [...], "droppedTargets": [...]}
+
+Every failure is a ``PrometheusError`` whose message names the server and what went wrong, one
+subclass a cause: ``Unreachable`` (refused, timed out, cut off), ``HTTPStatusError`` (Prometheus
+said no; its own ``error`` text, e.g. a PromQL parse error, is in the message) and ``BadResponse``
+(an answer that is not Prometheus JSON: the URL points at something else). ``syncwatch.stack`` and
+``syncwatch.analysis`` wrap it in their own error types.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+
+
+class PrometheusError(Exception):
+    """Prometheus could not be asked, or did not answer a request."""
+
+
+class Unreachable(PrometheusError):
+    """No answer: connection refused, timed out or cut off."""
+
+
+class HTTPStatusError(PrometheusError):
+    """Prometheus answered with an HTTP error; ``detail`` is its ``error`` text when it gave one."""
+
+    def __init__(self, message: str, code: int, detail: str):
+        super().__init__(message)
+        self.code = code
+        self.detail = detail
+
+
+class BadResponse(PrometheusError):
+    """The answer was not Prometheus' JSON envelope."""
+
+
+class Client:
+    """Requests against one Prometheus base URL (``http://host:port``, optionally with a path prefix)."""
+
+    def __init__(self, url: str, timeout: float = 30.0):
+        if not url.startswith(("http://", "https://")):
+            raise PrometheusError(f"{url!r}: expected an http:// or https:// URL")
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def api(self, path: str, **params) -> object:
+        """``/api/v1/<path>`` -> the answer's ``data``. Parameters that are None are left out.
+
+        The query endpoints are asked with a form POST (Prometheus accepts it there), which keeps
+        long PromQL out of URLs and access logs; every other endpoint with a GET.
+        """
+        params = {k: v for k, v in params.items() if v is not None}
+        if path in _POST_ENDPOINTS:
+            body = self.request(f"/api/v1/{path}", form=params)
+        else:
+            query = urllib.parse.urlencode(params)
+            body = self.request(f"/api/v1/{path}" + (f"?{query}" if query else ""))
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict) or "status" not in answer:
+            raise BadResponse(f"{self.url} did not answer with Prometheus JSON (is it Prometheus?)")
+        if answer["status"] != "success":
+            raise PrometheusError(f"Prometheus at {self.url} failed /api/v1/{path}: {_error_text(answer)}")
+        return answer.get("data")
+
+    def request(self, path: str, form: dict | None = None) -> bytes:
+        """The body of ``GET path``, or of a form ``POST path`` when ``form`` is given (even empty)."""
+        if form is None:
+            req = urllib.request.Request(self.url + path, method="GET")
+        else:
+            req = urllib.request.Request(self.url + path, data=urllib.parse.urlencode(form).encode(),
+                                         method="POST",
+                                         headers={"Content-Type": "application/x-www-form-urlencoded"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as e:
+            detail = _http_error_detail(e)
+            endpoint = path.split("?")[0]
+            raise HTTPStatusError(f"Prometheus at {self.url} answered HTTP {e.code} to {endpoint}"
+                                  + (f": {detail}" if detail else ""), e.code, detail) from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            reason = getattr(e, "reason", None) or e
+            raise Unreachable(f"Prometheus unreachable at {self.url}: {reason}") from None
+
+
+_POST_ENDPOINTS = frozenset({"query", "query_range"})
+
+
+def _error_text(answer: dict) -> str:
+    kind, text = answer.get("errorType"), answer.get("error")
+    if text:
+        return f"{kind}: {text}" if kind else str(text)
+    return str(answer)
+
+
+def _http_error_detail(e: urllib.error.HTTPError) -> str:
+    """Prometheus' own error text (``errorType: error``), else the start of whatever the body was."""
+    try:
+        raw = e.read()
+    except (OSError, http.client.HTTPException):
+        return ""
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace").strip()[:200]
+    return _error_text(answer) if isinstance(answer, dict) else str(answer)[:200]

@@ -1,0 +1,150 @@
+"""The shared Prometheus HTTP API client: answers, and one clear error a way of failing.
+
+The failures a real Prometheus cannot be made to produce (a proxy's HTML error page, a 200 that is
+not JSON, a connection cut mid-answer) come from a loopback HTTP server that answers as such a
+server would; the rest run against a real Prometheus.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from syncwatch import promapi
+from syncwatch.stack import Prometheus, StackError
+
+
+class _Canned(ThreadingHTTPServer):
+    """Answers every request with ``self.answer`` = (status, content type, body); records requests."""
+
+    def __init__(self):
+        self.answer = (200, "application/json", b"{}")
+        self.requests: list[tuple[str, str, dict]] = []
+        super().__init__(("127.0.0.1", 0), _CannedHandler)
+
+
+class _CannedHandler(BaseHTTPRequestHandler):
+    def _serve(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        form = parse_qs(self.rfile.read(length).decode()) if length else {}
+        url = urlsplit(self.path)
+        self.server.requests.append((self.command, url.path, {**parse_qs(url.query), **form}))
+        status, ctype, body = self.server.answer
+        if status is None:  # cut the connection without answering
+            self.close_connection = True
+            return
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _serve
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def canned():
+    srv = _Canned()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv, promapi.Client(f"http://127.0.0.1:{srv.server_address[1]}/", timeout=5)
+    srv.shutdown()
+    srv.server_close()
+
+
+def _json(status: int, obj: dict) -> tuple[int, str, bytes]:
+    return status, "application/json", json.dumps(obj).encode()
+
+
+def test_query_endpoints_are_posted_others_got_and_none_params_dropped(canned):
+    srv, client = canned
+    srv.answer = _json(200, {"status": "success", "data": {"resultType": "vector", "result": []}})
+    assert client.api("query", query="up", time=None) == {"resultType": "vector", "result": []}
+    client.api("query_range", query="up", start="1", end="2", step="1")
+    client.api("targets", state="active")
+    client.api("rules")
+    assert srv.requests == [("POST", "/api/v1/query", {"query": ["up"]}),
+                            ("POST", "/api/v1/query_range",
+                             {"query": ["up"], "start": ["1"], "end": ["2"], "step": ["1"]}),
+                            ("GET", "/api/v1/targets", {"state": ["active"]}),
+                            ("GET", "/api/v1/rules", {})]
+
+
+def test_http_error_carries_prometheus_error_text(canned):
+    srv, client = canned
+    srv.answer = _json(400, {"status": "error", "errorType": "bad_data", "error": "1:5: parse error"})
+    with pytest.raises(promapi.HTTPStatusError) as err:
+        client.api("query", query="sum(")
+    assert err.value.code == 400 and err.value.detail == "bad_data: 1:5: parse error"
+    assert str(err.value) == (f"Prometheus at {client.url} answered HTTP 400 to /api/v1/query: "
+                              "bad_data: 1:5: parse error")
+
+
+def test_http_error_from_something_else_shows_the_start_of_its_body(canned):
+    srv, client = canned
+    srv.answer = (502, "text/html", b"<html>Bad Gateway</html>" + b"x" * 1000)
+    with pytest.raises(promapi.HTTPStatusError, match=r"HTTP 502 to /api/v1/targets: <html>Bad Gateway") as err:
+        client.api("targets", state="any")
+    assert len(err.value.detail) == 200 and "?" not in str(err.value)
+
+
+@pytest.mark.parametrize("answer", [(200, "text/html", b"<html>Grafana</html>"),
+                                    (200, "application/json", b"[1, 2]"),
+                                    (200, "application/json", b'{"data": {}}')])
+def test_an_answer_that_is_not_prometheus_json_is_a_bad_response(canned, answer):
+    srv, client = canned
+    srv.answer = answer
+    with pytest.raises(promapi.BadResponse, match=r"did not answer with Prometheus JSON \(is it Prometheus\?\)"):
+        client.api("query", query="up")
+
+
+def test_a_200_with_status_error_names_the_endpoint_and_error(canned):
+    srv, client = canned
+    srv.answer = _json(200, {"status": "error", "errorType": "timeout", "error": "query timed out"})
+    with pytest.raises(promapi.PrometheusError,
+                       match=r"failed /api/v1/query_range: timeout: query timed out"):
+        client.api("query_range", query="up", start=1, end=2, step=1)
+
+
+def test_connection_cut_without_an_answer_is_unreachable(canned):
+    srv, client = canned
+    srv.answer = (None, "", b"")
+    with pytest.raises(promapi.Unreachable, match=f"Prometheus unreachable at {client.url}"):
+        client.api("query", query="up")
+
+
+def test_closed_port_is_unreachable():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: nothing listens there
+    with pytest.raises(promapi.Unreachable, match=rf"Prometheus unreachable at http://127.0.0.1:{port}: .*refused"):
+        promapi.Client(f"http://127.0.0.1:{port}", timeout=5).api("query", query="up")
+
+
+def test_a_url_without_scheme_is_refused_up_front():
+    with pytest.raises(promapi.PrometheusError, match="'127.0.0.1:9090': expected an http:// or https:// URL"):
+        promapi.Client("127.0.0.1:9090")
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus missing (Debian package: prometheus)")
+def test_against_real_prometheus():
+    with Prometheus() as prom:
+        client = promapi.Client(prom.url, timeout=10)
+        assert client.api("query", query="vector(2)", time="1700000000.000")["result"] == [
+            {"metric": {}, "value": [1700000000, "2"]}]
+        with pytest.raises(promapi.HTTPStatusError) as err:
+            client.api("query", query="sum(")
+        assert err.value.code == 400 and err.value.detail.startswith("bad_data: ") and "parse error" in err.value.detail
+        prom.config["global"]["scrape_interval"] = "2s"
+        prom.reload()
+        assert client.api("status/config")["yaml"].count("scrape_interval: 2s") == 1
+    with pytest.raises(StackError, match="Prometheus unreachable"):
+        prom.value("up")
