@@ -1,11 +1,10 @@
-"""Helpers shared by the deployment tests: YAML loading, vendored schemas, free ports."""
+"""Helpers shared by the deployment tests: YAML loading and the vendored schemas."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import json
-import socket
 from pathlib import Path
 
 import jsonschema
@@ -62,10 +61,3 @@ def compose_validator() -> jsonschema.protocols.Validator:
     schema = json.loads((SCHEMAS / "compose-spec" / "compose-spec.json").read_text())
     # The file names draft 7 as an https URL, which validator_for() does not recognise.
     return jsonschema.Draft7Validator(schema)
-
-
-def free_port() -> int:
-    """A loopback port free right now (for programs that cannot be told to pick one themselves)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

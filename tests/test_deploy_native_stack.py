@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from conftest import subprocess_env
-from deploy_helpers import ROOT, free_port
+from deploy_helpers import ROOT
+from syncwatch.stack import free_port
 
 pytestmark = [
     pytest.mark.skipif(not shutil.which("prometheus"),

@@ -17,12 +17,12 @@ import subprocess
 import threading
 import time
 import urllib.parse
-import urllib.request
 
 import pytest
 import yaml
 
-from deploy_helpers import ROOT, free_port
+from deploy_helpers import ROOT
+from syncwatch.stack import free_port, http_get
 
 VM = shutil.which("victoria-metrics")
 PROMETHEUS = shutil.which("prometheus")
@@ -32,11 +32,6 @@ pytestmark = [
 ]
 JOB = "scaleout-test"
 RULE = "train_job:syncwatch_step_seconds:mean5m"
-
-
-def http_get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return r.read().decode()
 
 
 def wait_for(predicate, timeout: float, what: str, log=None):
@@ -81,7 +76,7 @@ def victoria(tmp_path):
     vm = Process([VM, f"-httpListenAddr=127.0.0.1:{port}", f"-storageDataPath={tmp_path / 'vm'}",
                   "-retentionPeriod=1d", "-loggerLevel=ERROR"], tmp_path / "vm.log")
     url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: http_get(url + "/health").strip() == "OK", 30, "VictoriaMetrics", vm.log)
+    wait_for(lambda: http_get(url + "/health").strip() == b"OK", 30, "VictoriaMetrics", vm.log)
     yield url
     assert vm.stop() == 0
 
@@ -121,7 +116,7 @@ def fed_daemon(sock_path):
 
 def export(vm_url: str, selector: str) -> list[dict]:
     query = urllib.parse.urlencode({"match[]": selector})
-    return [json.loads(line) for line in http_get(f"{vm_url}/api/v1/export?{query}").splitlines() if line]
+    return [json.loads(line) for line in http_get(f"{vm_url}/api/v1/export?{query}").decode().splitlines() if line]
 
 
 def test_agent_and_ruler_remote_write_into_victoriametrics(tmp_path, victoria, fed_daemon):

@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 from conftest import subprocess_env
-from deploy_helpers import free_port
+from syncwatch.stack import free_port
 from syncwatch.protocol import PHASES, Cumulative, Encoder, Identity
 
 JOB = "activation"
