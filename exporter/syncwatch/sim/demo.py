@@ -109,6 +109,9 @@ def main(args) -> int:
             print(f"  {node_name(NODE_PREFIX, n)}: scrape {d.url}/metrics  (ingest {d.socket_path})")
         if args.send_to:
             print(f"  every node sends to the daemon on {args.send_to}")
+        else:
+            targets = ",".join(d.url.removeprefix("http://") for d in daemons)
+            print(f"Prometheus and Alertmanager beside it: syncwatch stack up --targets {targets}")
         sockets = [args.send_to] * args.nodes if args.send_to else [d.socket_path for d in daemons]
         print("Ctrl-C stops." if not args.duration else f"Running for {args.duration:g} s.",
               flush=True)
