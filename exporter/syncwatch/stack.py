@@ -306,6 +306,28 @@ def register(subparsers) -> None:
     up.set_defaults(func=run_up)
 
 
+PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
+
+
+def shipped_prometheus_config(targets: Sequence[str], rule_files: Sequence[Path], interval: str,
+                              alertmanager_url: str | None) -> dict:
+    """``deploy/prometheus/prometheus.yml`` (the file docker compose mounts) with only what differs
+    on this machine replaced: the daemon targets, the Alertmanager address, absolute rule file
+    paths and the intervals. Job name, scrape limits and everything else stay as shipped."""
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    config["global"].update(scrape_interval=interval, evaluation_interval=interval)
+    config["rule_files"] = [str(Path(p).resolve()) for p in rule_files]
+    if alertmanager_url:
+        hostport = urllib.parse.urlsplit(alertmanager_url).netloc
+        config["alerting"]["alertmanagers"] = [{"static_configs": [{"targets": [hostport]}]}]
+    else:
+        config.pop("alerting", None)
+    for job in config["scrape_configs"]:
+        if job["job_name"] == "syncwatch":
+            job["static_configs"] = [{"targets": list(targets)}]
+    return config
+
+
 def run_up(args: argparse.Namespace) -> int:
     from .rules.render import write
 
@@ -313,15 +335,17 @@ def run_up(args: argparse.Namespace) -> int:
     work = Path(args.data_dir or tempfile.mkdtemp(prefix="sw-stack-"))
     servers: list[_Server] = []
     try:
-        rule_files = write(work / "rules", args.time_scale)
+        # The shipped rule files themselves, unless their windows are to be scaled.
+        rule_files = (sorted((REPO / "alerts").glob("*.rules.yml")) if args.time_scale == 1
+                      else write(work / "rules", args.time_scale))
         am = None
         if not args.no_alertmanager:
             am = Alertmanager(args.alertmanager_config, workdir=str(work / "alertmanager"))
             am.start(port=args.alertmanager_port)
             servers.append(am)
-        prom = Prometheus(targets, scrape_interval=args.scrape_interval,
-                          evaluation_interval=args.scrape_interval, rule_files=rule_files,
-                          alertmanager_url=am.url if am else None, workdir=str(work / "prometheus"))
+        prom = Prometheus(workdir=str(work / "prometheus"))
+        prom.config = shipped_prometheus_config(targets, rule_files, args.scrape_interval,
+                                                am.url if am else None)
         prom.start(port=args.prometheus_port)
         servers.append(prom)
         print(f"prometheus   {prom.url}  (scraping {', '.join(targets)})", flush=True)

@@ -13,7 +13,7 @@ import re
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .base import CollectorOptions, NoData, register
-from .sysfs import Absent, Unreadable, list_dir, read_int, read_text
+from .sysfs import Absent, Unreadable, list_dir, read_int, read_or_none, read_text
 
 # counters/<file> -> metric name (without _total) and help
 _PORT_COUNTERS = {
@@ -69,13 +69,7 @@ class InfinibandCollector:
         rate = GaugeMetricFamily("syncwatch_ib_port_rate_bytes", "Port rate in bytes per second.", labels=dp)
 
         def value(path: str, read=read_int):
-            try:
-                return read(path)
-            except Absent:
-                return None
-            except Unreadable as e:
-                errors.append(str(e))
-                return None
+            return read_or_none(path, errors, read)
 
         for dev in list_dir(self.root):
             ports_dir = os.path.join(self.root, dev, "ports")

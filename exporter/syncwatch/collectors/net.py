@@ -8,7 +8,7 @@ import re
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .base import CollectorOptions, NoData, register
-from .sysfs import Absent, Unreadable, list_dir, read_int, read_text
+from .sysfs import list_dir, read_int, read_or_none, read_text
 
 _DIRECTIONS = (("receive", "rx"), ("transmit", "tx"))
 
@@ -41,13 +41,7 @@ class NetCollector:
         }
 
         def value(path: str, read=read_int):
-            try:
-                return read(path)
-            except Absent:
-                return None
-            except Unreadable as e:
-                errors.append(str(e))
-                return None
+            return read_or_none(path, errors, read)
 
         for dev in list_dir(self.root):
             if self.exclude is not None and self.exclude.match(dev):

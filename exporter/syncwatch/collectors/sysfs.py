@@ -66,6 +66,18 @@ def read_int(path: str) -> int:
         raise Unreadable(f"{path}: not an integer: {text[:40]!r}") from None
 
 
+def read_or_none(path: str, errors: list[str], read=read_int):
+    """``read(path)``, or None: quietly where the file is absent, and with the reason appended to
+    ``errors`` where it is unreadable (so one bad file drops only its own series)."""
+    try:
+        return read(path)
+    except Absent:
+        return None
+    except Unreadable as e:
+        errors.append(str(e))
+        return None
+
+
 def _classify(path: str, e: OSError) -> Exception:
     if e.errno in _QUIET:
         return Absent(path)

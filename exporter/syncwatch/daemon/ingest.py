@@ -71,6 +71,43 @@ def bind_unix(path: str) -> socket.socket:
     return sock
 
 
+SD_LISTEN_FDS_START = 3  # first file descriptor systemd passes (sd_listen_fds(3))
+
+
+def inherited_socket(path: str) -> socket.socket | None:
+    """The datagram socket bound to ``path`` that systemd passed us (socket activation through
+    deploy/systemd/syncwatch.socket), or None when not socket-activated.
+
+    systemd owns that socket: it outlives daemon restarts with whatever ranks sent meanwhile
+    still queued, so the daemon must neither create nor remove the file. Protocol: LISTEN_PID is
+    our pid and LISTEN_FDS counts the descriptors from fd 3 on. The variables are cleared so that
+    child processes do not take the sockets for theirs.
+    """
+    if os.environ.get("LISTEN_PID") != str(os.getpid()):
+        return None
+    try:
+        count = int(os.environ.get("LISTEN_FDS", "0"))
+    except ValueError:
+        count = 0
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(name, None)
+    found = None
+    for fd in range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + count):
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        if (found is None and sock.family == socket.AF_UNIX and sock.type == socket.SOCK_DGRAM
+                and sock.getsockname() == path):
+            found = sock
+        else:
+            sock.detach()  # not ours to close
+    if found is None:
+        raise IngestError(f"systemd passed {count} socket(s) but none is a datagram socket bound "
+                          f"to {path}: make ListenDatagram= in syncwatch.socket and --socket agree")
+    return found
+
+
 def bind_udp(address: str) -> socket.socket:
     host, port = parse_address(address, "udp")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -103,9 +140,11 @@ class Ingest:
     def start(self) -> None:
         try:
             if self.socket_path:
-                s = bind_unix(self.socket_path)
+                s = inherited_socket(self.socket_path)
+                if s is None:
+                    s = bind_unix(self.socket_path)
+                    self._unix_ino = os.stat(self.socket_path).st_ino  # ours to remove at stop
                 self._socks.append(s)
-                self._unix_ino = os.stat(self.socket_path).st_ino
             if self.udp_spec:
                 s = bind_udp(self.udp_spec)
                 self._socks.append(s)

@@ -5,6 +5,8 @@ free port), each with its own ingest socket in ``--socket-dir`` (a temporary dir
 default), runs the chosen scenario in real time, prints where to scrape and a summary line every
 ``--summary-every`` seconds until Ctrl-C or ``--duration``. ``--scenario scaling`` prints the
 model's step-CV-vs-nodes sweep beside the seed paper's table instead (no daemons).
+``--send-to SOCKET`` starts no daemons: the simulated ranks send to a daemon already running on
+that ingest socket, as training containers do (``docker compose --profile demo up``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ def register(subparsers) -> None:
              help="daemon of node n listens on base-port + n (0 = pick free ports)")
     _flag(p, "--listen-host", default="127.0.0.1", help="address the daemons listen on")
     _flag(p, "--socket-dir", default="", help="directory for the ingest sockets (empty = a temporary one)")
+    _flag(p, "--send-to", default="",
+          help="send every rank's records to this running daemon's ingest socket instead of "
+               "starting daemons (empty = start one daemon per node)")
     _flag(p, "--duration", type=float, default=0.0, help="seconds to run (0 = until Ctrl-C)")
     _flag(p, "--step-time", type=float, default=0.5, help="mean compute time of one step, seconds")
     _flag(p, "--seed", type=int, default=0, help="random seed of the simulation")
@@ -85,7 +90,7 @@ def main(args) -> int:
     daemons: list = []
     thread = None
     try:
-        for n in range(args.nodes):
+        for n in range(0 if args.send_to else args.nodes):
             port = args.base_port + n if args.base_port else 0
             config = DaemonConfig(listen=f"{args.listen_host}:{port}",
                                   socket=os.path.join(sock_dir, f"node{n:02d}.sock"),
@@ -102,9 +107,15 @@ def main(args) -> int:
               f"{args.ranks_per_node} ranks, step time ~{args.step_time}s, seed {args.seed}")
         for n, d in enumerate(daemons):
             print(f"  {node_name(NODE_PREFIX, n)}: scrape {d.url}/metrics  (ingest {d.socket_path})")
+        if args.send_to:
+            print(f"  every node sends to the daemon on {args.send_to}")
+        else:
+            targets = ",".join(d.url.removeprefix("http://") for d in daemons)
+            print(f"Prometheus and Alertmanager beside it: syncwatch stack up --targets {targets}")
+        sockets = [args.send_to] * args.nodes if args.send_to else [d.socket_path for d in daemons]
         print("Ctrl-C stops." if not args.duration else f"Running for {args.duration:g} s.",
               flush=True)
-        thread = ScenarioThread(args.scenario, [{"socket": d.socket_path} for d in daemons],
+        thread = ScenarioThread(args.scenario, [{"socket": path} for path in sockets],
                                 args.nodes, args.ranks_per_node, seed=args.seed,
                                 job=args.job or None, params={"compute_seconds": args.step_time},
                                 node_prefix=NODE_PREFIX)

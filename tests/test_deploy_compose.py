@@ -1,0 +1,170 @@
+"""docker-compose.yml and Dockerfile: valid, every mounted file present, loopback-only, least
+privilege, and the configs they mount accepted by promtool and amtool. No Docker engine needed."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from deploy_helpers import ROOT, compose_validator
+
+COMPOSE_FILES = [ROOT / "docker-compose.yml", ROOT / "deploy" / "scale-out" / "docker-compose.yml"]
+# Host paths outside the repository that the compose files mount on purpose.
+HOST_PATHS = {"/sys"}
+_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def interpolate(text: str) -> str:
+    """Compose's ${VAR:-default} with an empty environment: what a user gets by default."""
+    return _VAR.sub(lambda m: m.group(2) or "", text)
+
+
+def load(path) -> dict:
+    return yaml.safe_load(interpolate(path.read_text()))
+
+
+@pytest.fixture(params=COMPOSE_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def compose(request):
+    return request.param, load(request.param)
+
+
+def test_compose_file_is_valid_against_the_compose_spec(compose):
+    path, doc = compose
+    errors = sorted(compose_validator().iter_errors(doc), key=lambda e: list(e.path))
+    assert not errors, [f"{list(e.path)}: {e.message}" for e in errors]
+
+
+def test_compose_spec_check_rejects_a_mistake():
+    doc = load(ROOT / "docker-compose.yml")
+    doc["services"]["prometheus"]["read_ony"] = True
+    assert any("read_ony" in e.message for e in compose_validator().iter_errors(doc))
+
+
+def bind_sources(path, doc):
+    """(service, source path) of every bind mount, relative sources resolved against the file."""
+    for name, service in doc["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0] if isinstance(volume, str) else volume.get("source", "")
+            if source.startswith((".", "/")):
+                yield name, (path.parent / source).resolve() if source.startswith(".") else source
+
+
+def test_every_mounted_file_exists(compose):
+    path, doc = compose
+    mounts = list(bind_sources(path, doc))
+    assert mounts
+    for service, source in mounts:
+        if isinstance(source, str):
+            assert source in HOST_PATHS, f"{service}: unexpected host path {source}"
+        else:
+            assert source.exists(), f"{service}: {source} does not exist"
+    for service in doc["services"].values():
+        if "build" in service:
+            context = path.parent / service["build"]["context"]
+            assert (context / service["build"]["dockerfile"]).is_file()
+
+
+def test_ports_are_published_on_loopback_only(compose):
+    path, doc = compose
+    published = 0
+    for name, service in doc["services"].items():
+        for port in service.get("ports", []):
+            published += 1
+            host_ip = port.get("host_ip") if isinstance(port, dict) else str(port).rsplit(":", 2)[0]
+            assert host_ip == "127.0.0.1", f"{name}: {port} is not bound to 127.0.0.1"
+        assert service.get("network_mode") != "host", name
+    assert published
+
+
+def test_images_are_pinned(compose):
+    path, doc = compose
+    for name, service in doc["services"].items():
+        if "build" in service:
+            continue
+        image = service["image"]
+        assert re.search(r":v?\d+\.\d+\.\d+(-\w+)?$", image), f"{name}: {image} is not pinned"
+        assert image.split("/")[0] in {"prom", "grafana", "victoriametrics"}, image  # official
+
+
+def test_services_are_least_privileged(compose):
+    path, doc = compose
+    for name, service in doc["services"].items():
+        assert service.get("read_only") is True, name
+        assert service.get("cap_drop") == ["ALL"], name
+        assert not service.get("cap_add"), name
+        assert "no-new-privileges:true" in service.get("security_opt", []), name
+        assert not service.get("privileged"), name
+        assert service.get("pid") != "host" and service.get("ipc") != "host", name
+
+
+def test_daemon_and_demo_share_the_ingest_socket():
+    doc = load(ROOT / "docker-compose.yml")
+    services = doc["services"]
+    daemon, demo = services["syncwatch"], services["demo"]
+    assert "/sys:/host/sys:ro" in daemon["volumes"] and "--path.sysfs=/host/sys" in daemon["command"]
+    assert "syncwatch-ingest:/run/syncwatch" in daemon["volumes"]
+    assert "syncwatch-ingest:/run/syncwatch:ro" in demo["volumes"]
+    assert "--socket=/run/syncwatch/ingest.sock" in daemon["command"]
+    assert "--send-to=/run/syncwatch/ingest.sock" in demo["command"] and "--nodes=1" in demo["command"]
+    assert demo["profiles"] == ["demo"] and demo["network_mode"] == "none"
+    assert doc["volumes"]["syncwatch-ingest"]["name"] == "syncwatch-ingest"  # for other projects
+    # Prometheus and Alertmanager reach the daemon on 127.0.0.1 as the native stack does.
+    for name in ("syncwatch", "prometheus", "alertmanager"):
+        assert services[name]["network_mode"] == "service:loopback", name
+
+
+def test_grafana_has_no_default_admin_password():
+    env = load(ROOT / "docker-compose.yml")["services"]["grafana"]["environment"]
+    assert env["GF_SECURITY_DISABLE_INITIAL_ADMIN_CREATION"] == "true"
+    assert not any(k.startswith("GF_SECURITY_ADMIN_PASSWORD") for k in env)
+    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+
+
+def mounted_config(service: str, flag: str):
+    """The repository file behind ``flag``'s container path in ``service`` of docker-compose.yml."""
+    svc = load(ROOT / "docker-compose.yml")["services"][service]
+    container_path = next(a.split("=", 1)[1] for a in svc["command"] if a.startswith(flag + "="))
+    for volume in svc["volumes"]:
+        source, target = volume.split(":")[:2]
+        if container_path.startswith(target + "/"):
+            return ROOT / source / container_path[len(target) + 1:]
+    raise AssertionError(f"{service}: {container_path} is not mounted")
+
+
+def run_tool(name: str, package: str, *args) -> subprocess.CompletedProcess:
+    tool = shutil.which(name)
+    if not tool:
+        pytest.skip(f"{name} (Debian package {package}) is not installed")
+    return subprocess.run([tool, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_prometheus_config_passes_promtool():
+    config = mounted_config("prometheus", "--config.file")
+    assert config == ROOT / "deploy" / "prometheus" / "prometheus.yml"
+    result = run_tool("promtool", "prometheus", "check", "config", str(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rule files found" in result.stdout  # the rules were found through the relative path
+    scrape = yaml.safe_load(config.read_text())["scrape_configs"]
+    assert all(s["sample_limit"] > 0 and s["label_limit"] > 0 for s in scrape)
+
+
+def test_alertmanager_config_passes_amtool():
+    config = mounted_config("alertmanager", "--config.file")
+    result = run_tool("amtool", "prometheus-alertmanager", "check-config", str(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_is_pinned_unprivileged_and_complete():
+    lines = [l.strip() for l in (ROOT / "Dockerfile").read_text().splitlines()
+             if l.strip() and not l.lstrip().startswith("#")]
+    froms = [l.split()[1] for l in lines if l.startswith("FROM ")]
+    assert froms and all(re.search(r":\d+\.\d+\.\d+-", f) for f in froms), froms
+    assert [l for l in lines if l.startswith("USER ")][-1] == "USER 65532:65532"
+    for line in lines:
+        if line.startswith("COPY ") and "--from=" not in line:
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
