@@ -222,15 +222,25 @@ def test_promtool_check_metrics_passes_on_a_real_scrape(daemon, client):
     assert r.returncode == 0 and not r.stdout and not r.stderr, (r.stdout, r.stderr)
 
 
-def test_openmetrics_and_gzip_negotiation(daemon, client):
-    _full_exposition(daemon, client, ranks=2)
-    req = urllib.request.Request(daemon.url + "/metrics", headers={
-        "Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5",
-        "Accept-Encoding": "gzip"})
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                     "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+def _get(url: str, accept: str) -> tuple[str, str, str]:
+    req = urllib.request.Request(url + "/metrics", headers={"Accept": accept,
+                                                            "Accept-Encoding": "gzip"})
     with urllib.request.urlopen(req) as r:
-        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
-        assert r.headers["Content-Encoding"] == "gzip"
-        body = gzip.decompress(r.read()).decode()
+        return (r.headers["Content-Type"], r.headers.get("Content-Encoding"),
+                gzip.decompress(r.read()).decode())
+
+
+def test_text_preferred_openmetrics_only_when_nothing_else_and_gzip(daemon, client):
+    _full_exposition(daemon, client, ranks=2)
+    ctype, encoding, body = _get(daemon.url, PROMETHEUS_ACCEPT)  # what Prometheus sends
+    assert ctype.startswith("text/plain") and encoding == "gzip"
+    assert 'syncwatch_steps_total{rank="0",train_job="job-a"} 3.0' in body
+    ctype, encoding, body = _get(daemon.url, "application/openmetrics-text;version=1.0.0")
+    assert ctype.startswith("application/openmetrics-text") and encoding == "gzip"
     assert body.endswith("# EOF\n")
     assert 'syncwatch_steps_total{rank="0",train_job="job-a"} 3' in body
     assert scrape_text(daemon.url).startswith("# HELP")

@@ -2,8 +2,10 @@
 
 The event loop only serves HTTP. Ingest runs in its own threads (ingest.py); ``/metrics`` renders
 in a one-worker thread pool, so neither a slow render nor a burst of records waits on the other
-more than the snapshot copy. Prometheus' Accept header picks OpenMetrics or the text format
-(``choose_encoder``); gzip at level 1 when accepted (the client library's level 9 costs ~20x more).
+more than the snapshot copy. The text format is served whenever the client accepts it (Prometheus
+asks for OpenMetrics first but accepts text; the OpenMetrics encoder is 35-50 % slower and its
+extras are unused here); OpenMetrics only to a client that accepts nothing else. gzip at level 1
+when accepted (the client library's level 9 costs ~20x more).
 """
 
 from __future__ import annotations
@@ -36,9 +38,20 @@ EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
 EXPIRE_EVERY = 1.0  # seconds between liveness sweeps (also done at every scrape)
 
 
+def _accepts_text(accept: str) -> bool:
+    """True unless the Accept header names media types and none of them is text/plain or */*."""
+    if not accept.strip():
+        return True
+    for part in accept.split(","):
+        fields = [f.strip() for f in part.split(";")]
+        if fields[0] in ("text/plain", "*/*", "text/*") and "q=0" not in fields[1:]:
+            return True
+    return False
+
+
 def render(registry: GuardedRegistry, accept: str, accept_encoding: str) -> tuple[bytes, dict]:
     """Render the exposition for one scrape: (body, headers)."""
-    encoder, content_type = choose_encoder(accept)
+    encoder, content_type = choose_encoder("" if _accepts_text(accept) else accept)
     body = encoder(registry)
     headers = {"Content-Type": content_type}
     if "gzip" in accept_encoding:
