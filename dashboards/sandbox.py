@@ -2,8 +2,9 @@
 
 Simulated train jobs (``syncwatch.sim``) send through the real wire protocol to one real node daemon
 per simulated node; the daemons of the first job also run the real GPU, NIC and InfiniBand
-collectors over a fake NVML and sysfs trees (this machine has neither GPUs nor InfiniBand), whose
-counters a ticker advances so rates are not zero. A real Prometheus (Debian package) scrapes every
+collectors over the simulator's hardware (``syncwatch.sim.hardware``: a fake NVML and sysfs trees
+advanced from the simulation, as this machine has neither GPUs nor InfiniBand). Under the straggler
+scenario the slow rank's GPU runs hot and throttled; the sandbox adds one XID event on it. A real Prometheus (Debian package) scrapes every
 daemon and evaluates the recording and alerting rules, rendered with their windows scaled down so a
 minute of simulation fills them.
 
@@ -14,19 +15,13 @@ minute of simulation fills them.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import queries
-
-REPO = Path(__file__).resolve().parent.parent
-SYSFS_FIXTURES = REPO / "tests" / "fixtures" / "make_sysfs.py"
 
 #: Grafana's $__rate_interval for a scrape interval: max(interval + scrape, 4 x scrape).
 RATE_INTERVAL_SCRAPES = 4
@@ -41,61 +36,12 @@ class SimJob:
     hardware: bool
     params: dict | None = None      # simulator model overrides on top of the scenario
 
+    @property
+    def node_prefix(self) -> str:
+        return f"{self.train_job}-node"
+
     def node(self, n: int) -> str:
-        return f"{self.train_job}-node{n:02d}"
-
-    def gpu_uuid(self, n: int, local: int) -> str:
-        """The uuid the simulator reports for node ``n``, local rank ``local``."""
-        from syncwatch.sim.driver import gpu_uuid
-        return gpu_uuid(self.node(n), local)
-
-
-def _load_sysfs_writer():
-    spec = importlib.util.spec_from_file_location("syncwatch_make_sysfs", SYSFS_FIXTURES)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-class _Ticker(threading.Thread):
-    """Advances the fake hardware like a busy node: GPU energy by power x time, NIC and IB
-    counters by traffic, and congestion counters where ``congested`` says so."""
-
-    def __init__(self, nvmls: list, sysfs_roots: list[Path], period: float = 0.5):
-        super().__init__(name="syncwatch-sandbox-ticker", daemon=True)
-        self.nvmls, self.roots, self.period = nvmls, sysfs_roots, period
-        self.stop_event = threading.Event()
-
-    @staticmethod
-    def _bump(path: Path, by: int) -> None:
-        """Add ``by`` to a counter file, replacing it whole: a reader never sees it half written
-        (sysfs attributes read atomically)."""
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(f"{int(path.read_text()) + by}\n")
-        os.replace(tmp, path)
-
-    def run(self) -> None:
-        last = time.monotonic()
-        while not self.stop_event.wait(self.period):
-            now = time.monotonic()
-            dt, last = now - last, now
-            for nvml in self.nvmls:
-                for gpu in nvml.gpus:
-                    gpu.energy_mj += int(gpu.power_mw * dt)
-            for i, root in enumerate(self.roots):
-                net = root / "class" / "net"
-                for dev in net.iterdir() if net.is_dir() else ():
-                    self._bump(dev / "statistics" / "rx_bytes", int(2e9 * dt))
-                    self._bump(dev / "statistics" / "tx_bytes", int(2e9 * dt))
-                ib = root / "class" / "infiniband"
-                for port in ib.glob("*/ports/*"):
-                    self._bump(port / "counters" / "port_xmit_data", int(5e8 * dt))
-                    self._bump(port / "counters" / "port_rcv_data", int(5e8 * dt))
-                    self._bump(port / "counters" / "port_xmit_wait", int((4e5 if i == 0 else 2e4) * dt))
-                    if (port / "hw_counters").is_dir():
-                        self._bump(port / "hw_counters" / "np_cnp_sent", int(300 * dt))
-                        self._bump(port / "hw_counters" / "rp_cnp_handled", int(280 * dt))
-                        self._bump(port / "hw_counters" / "np_ecn_marked_roce_packets", int(500 * dt))
+        return f"{self.node_prefix}{n:02d}"
 
 
 class Sandbox:
@@ -122,7 +68,7 @@ class Sandbox:
         self.sims: list = []
         self.prometheus = None
         self.started_at = 0.0
-        self._ticker: _Ticker | None = None
+        self.hardware: list = []          # SimulatedHardware, one per job with hardware
 
     # -- the straggler's node gets a hot, throttled GPU under the straggling rank --------------
     def straggler(self, job: SimJob) -> tuple[int, str, int]:
@@ -132,53 +78,30 @@ class Sandbox:
         n, local = divmod(rank, job.ranks_per_node)
         return rank, job.node(n), local
 
-    def _fake_gpus(self, job: SimJob, n: int):
-        import pynvml
-        from syncwatch.collectors.fake_nvml import FakeGpu, FakeNvml
-        gpus = [FakeGpu(uuid=job.gpu_uuid(n, local), temperature=55 + local,
-                        power_mw=380_000 + 2_000 * local, energy_mj=10**9)
-                for local in range(job.ranks_per_node)]
-        if job.scenario == "straggler":
-            _, node, local = self.straggler(job)
-            if node == job.node(n):
-                hot = gpus[local]
-                hot.temperature, hot.sm_clock_mhz, hot.power_mw = 88, 1410, 300_000
-                hot.reasons = pynvml.nvmlClocksEventReasonSwThermalSlowdown
-                nvml = FakeNvml(gpus)
-                nvml.xid(local, 13)  # one XID event (graphics engine exception) on the hot GPU
-                return nvml
-        return FakeNvml(gpus)
-
     def start(self) -> "Sandbox":
-        from syncwatch.collectors import CollectorRunner
-        from syncwatch.collectors.gpu import GpuCollector
-        from syncwatch.collectors.infiniband import InfinibandCollector
-        from syncwatch.collectors.net import NetCollector
         from syncwatch.daemon.app import DaemonThread
         from syncwatch.daemon.config import DaemonConfig
         from syncwatch.rules.render import write as write_rules
+        from syncwatch.sim.hardware import SimulatedHardware
         from syncwatch.sim.scenarios import ScenarioThread
         from syncwatch.stack import Prometheus
 
         try:
-            nvmls, roots = [], []
             targets: dict[str, list[dict]] = {}
+            hardware: dict[str, SimulatedHardware] = {}
             for job in self.jobs:
                 targets[job.train_job] = []
+                if job.hardware:
+                    hw = hardware[job.train_job] = SimulatedHardware(
+                        job.nodes, job.ranks_per_node, job.node_prefix, period=self.scrape_interval / 2)
+                    self.hardware.append(hw)
+                    if job.scenario == "straggler":
+                        rank, _, local = self.straggler(job)
+                        hw.nodes[rank // job.ranks_per_node].nvml.xid(local, 13)  # graphics engine exception
                 for n in range(job.nodes):
                     extra = ()
                     if job.hardware:
-                        root = self.workdir / "sysfs" / job.node(n)
-                        _load_sysfs_writer().healthy(root)
-                        nvml = self._fake_gpus(job, n)
-                        runner = CollectorRunner({"gpu": GpuCollector(nvml=nvml),
-                                                  "net": NetCollector(sysfs=str(root)),
-                                                  "infiniband": InfinibandCollector(sysfs=str(root))},
-                                                 interval=self.scrape_interval / 2, timeout=2.0)
-                        nvmls.append(nvml)
-                        roots.append(root)
-                        self.runners.append(runner)
-                        extra = (runner,)
+                        extra = (hardware[job.train_job].nodes[n].collectors(self.scrape_interval / 2),)
                     sock = str(self.workdir / f"{len(self.daemons)}.sock")
                     config = DaemonConfig(listen="127.0.0.1:0", socket=sock, node=job.node(n))
                     daemon = DaemonThread(config, extra_collectors=extra)
@@ -186,8 +109,6 @@ class Sandbox:
                     self.daemons.append(daemon)
                     self.urls.append(running.url)
                     targets[job.train_job].append({"socket": running.socket_path})
-            self._ticker = _Ticker(nvmls, roots, period=self.scrape_interval / 2)
-            self._ticker.start()
             rule_files = write_rules(self.workdir / "rules", self.rule_scale)
             scrape = f"{self.scrape_interval:g}s"
             self.prometheus = Prometheus([u.split("//", 1)[1] for u in self.urls],
@@ -199,7 +120,9 @@ class Sandbox:
                 sim = ScenarioThread(job.scenario, targets[job.train_job], job.nodes, job.ranks_per_node,
                                      seed=self.seed + i, job=job.train_job, time_scale=self.step_scale,
                                      params=job.params,
-                                     node_prefix=f"{job.train_job}-node", exchange_every=20)
+                                     node_prefix=job.node_prefix, exchange_every=20)
+                if job.train_job in hardware:
+                    hardware[job.train_job].follow(sim.driver)
                 sim.start()
                 self.sims.append(sim)
             self.started_at = time.time()
@@ -224,9 +147,8 @@ class Sandbox:
             sim.stop()
         if self.prometheus is not None:
             self.prometheus.stop()
-        if self._ticker is not None:
-            self._ticker.stop_event.set()
-            self._ticker.join(2)
+        for hw in self.hardware:
+            hw.close()
         for daemon in self.daemons:
             daemon.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)

@@ -36,9 +36,10 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kw) -> 
     """
     env = kw.pop("env", None) or env_name(flag)
     action = kw.get("action")
+    boolean = action in ("store_true", argparse.BooleanOptionalAction)
     if env in os.environ:
         raw = os.environ[env]
-        if action == "store_true":
+        if boolean:
             low = raw.strip().lower()
             if low not in _TRUE | _FALSE:
                 parser.error(f"{env}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
@@ -49,7 +50,7 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kw) -> 
                 kw["default"] = conv(raw)
             except (TypeError, ValueError) as e:
                 parser.error(f"{env}={raw!r}: {e}")
-    suffix = f"[env {env}" + ("]" if action == "store_true" else "; default: %(default)s]")
+    suffix = f"[env {env}" + ("]" if boolean else "; default: %(default)s]")
     return parser.add_argument(flag, help=f"{help} {suffix}", **kw)
 
 

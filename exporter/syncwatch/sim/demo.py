@@ -5,6 +5,9 @@ free port), each with its own ingest socket in ``--socket-dir`` (a temporary dir
 default), runs the chosen scenario in real time, prints where to scrape and a summary line every
 ``--summary-every`` seconds until Ctrl-C or ``--duration``. ``--scenario scaling`` prints the
 model's step-CV-vs-nodes sweep beside the seed paper's table instead (no daemons).
+With ``--hardware`` (the default) every node's daemon also runs the real GPU, NIC and InfiniBand
+collectors over that node's simulated hardware (``sim.hardware``): GPU temperature, clocks,
+throttling and energy, and fabric traffic and congestion counters that follow the scenario.
 ``--send-to SOCKET`` starts no daemons: the simulated ranks send to a daemon already running on
 that ingest socket, as training containers do (``docker compose --profile demo up``).
 """
@@ -52,6 +55,9 @@ def register(subparsers) -> None:
     _flag(p, "--seed", type=int, default=0, help="random seed of the simulation")
     _flag(p, "--job", default="", help="train_job label (empty = sim-SCENARIO)")
     _flag(p, "--summary-every", type=float, default=5.0, help="seconds between summary lines")
+    _flag(p, "--hardware", action=argparse.BooleanOptionalAction, default=True,
+          help="give each simulated node fake GPUs and a RoCE NIC, driven by the simulation, and run "
+               "the daemons' GPU, NIC and InfiniBand collectors over them")
     p.set_defaults(func=main)
 
 
@@ -88,14 +94,17 @@ def main(args) -> int:
     own_dir = not args.socket_dir
     sock_dir = tempfile.mkdtemp(prefix="syncwatch-demo-") if own_dir else args.socket_dir
     daemons: list = []
-    thread = None
+    thread = hardware = None
     try:
+        if args.hardware and not args.send_to:
+            from .hardware import SimulatedHardware
+            hardware = SimulatedHardware(args.nodes, args.ranks_per_node, NODE_PREFIX, period=1.0)
         for n in range(0 if args.send_to else args.nodes):
             port = args.base_port + n if args.base_port else 0
             config = DaemonConfig(listen=f"{args.listen_host}:{port}",
                                   socket=os.path.join(sock_dir, f"node{n:02d}.sock"),
                                   node=node_name(NODE_PREFIX, n))
-            d = DaemonThread(config)
+            d = DaemonThread(config, extra_collectors=(hardware.nodes[n].collectors(1.0),) if hardware else ())
             try:
                 d.start()
             except OSError as e:
@@ -104,7 +113,8 @@ def main(args) -> int:
                 return 2
             daemons.append(d)
         print(f"syncwatch demo: scenario {args.scenario}, {args.nodes} nodes x "
-              f"{args.ranks_per_node} ranks, step time ~{args.step_time}s, seed {args.seed}")
+              f"{args.ranks_per_node} ranks, step time ~{args.step_time}s, seed {args.seed}"
+              + (", simulated GPUs and RoCE NICs" if hardware else ""))
         for n, d in enumerate(daemons):
             print(f"  {node_name(NODE_PREFIX, n)}: scrape {d.url}/metrics  (ingest {d.socket_path})")
         if args.send_to:
@@ -119,6 +129,8 @@ def main(args) -> int:
                                 args.nodes, args.ranks_per_node, seed=args.seed,
                                 job=args.job or None, params={"compute_seconds": args.step_time},
                                 node_prefix=NODE_PREFIX)
+        if hardware is not None:
+            hardware.follow(thread.driver)
         t0 = time.monotonic()
         thread.start()
         next_summary = args.summary_every
@@ -144,5 +156,7 @@ def main(args) -> int:
             thread.stop()
         for d in daemons:
             d.stop()
+        if hardware is not None:
+            hardware.close()
         if own_dir:
             shutil.rmtree(sock_dir, ignore_errors=True)

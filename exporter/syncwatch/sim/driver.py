@@ -57,6 +57,7 @@ class GroundTruth:
     reported: list[Cumulative] = field(default_factory=list)   # per rank: totals in its last record
     skew_histogram: SkewAccumulator = field(default_factory=SkewAccumulator)  # rank 0's, this attempt
     executed_steps: int = 0
+    congested_steps: int = 0     # executed steps inside a fabric congestion episode
     last_step: int = 0
     attempt: int = 0
     virtual_seconds: float = 0.0
@@ -295,6 +296,7 @@ class Driver:
         truth.step_records += n
         truth.records_sent += n
         truth.executed_steps += 1
+        truth.congested_steps += s.congested
         truth.last_step = s.step
         truth.virtual_seconds = end
         truth.recent_step_seconds.append(s.step_seconds)

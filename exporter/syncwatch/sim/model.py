@@ -145,6 +145,14 @@ class Model:
     def congestion_probability(self) -> float:
         return min(self.p.congestion_max, self.p.congestion_rate * self.p.nodes ** 2)
 
+    def node_factors(self, step: int) -> list[float]:
+        """Each node's thermal factor on its ranks' compute at ``step`` (1.0 without the effect)."""
+        p = self.p
+        if not p.thermal_amplitude:
+            return [1.0] * p.nodes
+        w = 2 * math.pi * step / p.thermal_period_steps
+        return [1.0 + p.thermal_amplitude * math.sin(w + ph) for ph in self._node_phase]
+
     def _stall(self) -> float:
         p = self.p
         # Pareto(alpha) scaled to stall_seconds: inverse CDF of a uniform draw, capped.
@@ -167,11 +175,7 @@ class Model:
         p, rng = self.p, self.rng
         step = self.step + 1
         R = p.ranks_per_node
-        if p.thermal_amplitude:
-            w = 2 * math.pi * step / p.thermal_period_steps
-            node_factor = [1.0 + p.thermal_amplitude * math.sin(w + ph) for ph in self._node_phase]
-        else:
-            node_factor = [1.0] * p.nodes
+        node_factor = self.node_factors(step)
         osc = 1.0 + (p.oscillation if step % 2 else -p.oscillation)
         straggling = p.straggler_rank >= 0 and step >= p.straggler_from_step
         ckpt = (p.checkpoint_seconds * p.compute_seconds

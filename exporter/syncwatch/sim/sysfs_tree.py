@@ -1,0 +1,86 @@
+"""Writes sysfs trees shaped like a real host's: ``class/net/<dev>/...`` and
+``class/infiniband/<dev>/ports/<n>/{counters,hw_counters}/...``.
+
+The one writer of fake sysfs in the project: the simulator's hardware (``sim.hardware``) and the
+collectors' fixture trees (``tests/fixtures/make_sysfs.py``) both build on it. File names and the
+formats of ``state``/``rate``/``phys_state`` are the kernel's (mlx5 driver for ``hw_counters``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+NET_STATS = ["collisions", "multicast", "rx_bytes", "rx_compressed", "rx_crc_errors", "rx_dropped",
+             "rx_errors", "rx_fifo_errors", "rx_frame_errors", "rx_length_errors", "rx_missed_errors",
+             "rx_nohandler", "rx_over_errors", "rx_packets", "tx_aborted_errors", "tx_bytes",
+             "tx_carrier_errors", "tx_compressed", "tx_dropped", "tx_errors", "tx_fifo_errors",
+             "tx_heartbeat_errors", "tx_packets", "tx_window_errors"]
+IB_COUNTERS = ["VL15_dropped", "excessive_buffer_overrun_errors", "link_downed", "link_error_recovery",
+               "local_link_integrity_errors", "multicast_rcv_packets", "multicast_xmit_packets",
+               "port_rcv_constraint_errors", "port_rcv_data", "port_rcv_errors", "port_rcv_packets",
+               "port_rcv_remote_physical_errors", "port_rcv_switch_relay_errors",
+               "port_xmit_constraint_errors", "port_xmit_data", "port_xmit_discards", "port_xmit_packets",
+               "port_xmit_wait", "symbol_error", "unicast_rcv_packets", "unicast_xmit_packets"]
+HW_COUNTERS = ["duplicate_request", "implied_nak_seq_err", "lifespan", "local_ack_timeout_err",
+               "np_cnp_sent", "np_ecn_marked_roce_packets", "out_of_buffer", "out_of_sequence",
+               "packet_seq_err", "req_cqe_error", "req_cqe_flush_error", "req_remote_access_errors",
+               "req_remote_invalid_request", "resp_cqe_error", "resp_cqe_flush_error",
+               "resp_local_length_error", "resp_remote_access_errors", "rnr_nak_retry_err",
+               "roce_adp_retrans", "roce_adp_retrans_to", "roce_slow_restart", "roce_slow_restart_cnps",
+               "roce_slow_restart_trans", "rp_cnp_handled", "rp_cnp_ignored", "rx_atomic_requests",
+               "rx_icrc_encapsulated", "rx_read_requests", "rx_write_requests"]
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
+def bump(path: Path, by: int) -> None:
+    """Add ``by`` to the counter file ``path``, replacing it whole: a reader never sees it half
+    written (a sysfs attribute reads atomically)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{int(path.read_text()) + by}\n")
+    os.replace(tmp, path)
+
+
+def nic(root: Path, dev: str, *, speed: str, operstate: str = "up", carrier_changes: int = 2,
+        stats: dict[str, int] | None = None, skip: tuple[str, ...] = ()) -> Path:
+    """A network interface; returns its directory. ``skip`` leaves attributes out."""
+    base = root / "class" / "net" / dev
+    values = {"rx_bytes": 918_273_645_120, "tx_bytes": 905_112_334_080, "rx_packets": 231_004_512,
+              "tx_packets": 228_771_903, **(stats or {})}
+    for name in NET_STATS:
+        if name not in skip:
+            write(base / "statistics" / name, str(values.get(name, 0)))
+    for name, text in (("operstate", operstate), ("speed", speed), ("carrier_changes", str(carrier_changes)),
+                       ("carrier", "1" if operstate == "up" else "0"), ("mtu", "9000"), ("type", "1")):
+        if name not in skip:
+            write(base / name, text)
+    return base
+
+
+def ib_port(root: Path, dev: str, port: int, *, link_layer: str, state: str = "4: ACTIVE",
+            phys_state: str = "5: LinkUp", rate: str = "200 Gb/sec (4X HDR)",
+            counters: dict[str, int | str] | None = None, hw: dict[str, int] | None = None,
+            no_pma: bool = False, hw_counters: bool = True) -> Path:
+    """A port of HCA ``dev`` (``link_layer`` "InfiniBand" or "Ethernet" for RoCE); returns its
+    directory. ``hw_counters`` adds the mlx5 congestion-control counters; ``no_pma`` makes every
+    port counter read ``N/A (no PMA)``."""
+    base = root / "class" / "infiniband" / dev / "ports" / str(port)
+    write(base / "state", state)
+    write(base / "phys_state", phys_state)
+    write(base / "rate", rate)
+    write(base / "link_layer", link_layer)
+    values = {"port_xmit_data": 2_503_104_811_520, "port_rcv_data": 2_498_775_012_864,
+              "port_xmit_packets": 4_880_112_300, "port_rcv_packets": 4_871_455_128, **(counters or {})}
+    for name in IB_COUNTERS:
+        write(base / "counters" / name, "N/A (no PMA)" if no_pma else str(values.get(name, 0)))
+    if hw_counters:
+        hv = {"rx_write_requests": 91_234_003, "rx_read_requests": 1_200, **(hw or {})}
+        for name in HW_COUNTERS:
+            write(base / "hw_counters" / name, str(hv.get(name, 0)))
+    write(root / "class" / "infiniband" / dev / "node_type", "1: CA")
+    write(root / "class" / "infiniband" / dev / "fw_ver", "20.39.1002")
+    return base
