@@ -1,9 +1,12 @@
 """End to end: simulator scenarios -> real daemons (UDP on loopback) -> a real Prometheus ->
 ``syncwatch diagnose`` / ``project`` / ``report`` over the HTTP API.
 
-All six scenarios run at once, each its own train job, on the same four daemons, in real time
-scaled down (one simulated second = 25 ms) and scraped every 0.5 s by one Prometheus (module
-fixture), so the whole file takes ~25 s. The skew exchange runs every 10 steps (``exchange_every``)
+All six scenarios run at once, each its own train job, in real time scaled down (one simulated
+second = 25 ms) and scraped every 0.5 s by one Prometheus (module fixture), so the whole file takes
+~30 s. Four share four plain daemons; ``thermal`` and ``congestion`` each get four daemons of their
+own whose nodes have simulated hardware (``syncwatch.sim.hardware``: fake GPUs and RoCE ports
+advanced from the simulation), so diagnose must cite GPU and fabric evidence for them — and node
+hardware, which belongs to no job, does not leak into the other scenarios' diagnoses. The skew exchange runs every 10 steps (``exchange_every``)
 so that each 1.5 s analysis window (~50 steps) spans several exchanges: slack counters advance
 once per exchange, and a window shorter than a few exchange periods sees them lag the sync time.
 """
@@ -24,28 +27,43 @@ pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
 daemon_app = pytest.importorskip("syncwatch.daemon.app", reason="the daemon (syncwatch.daemon) is not in this checkout")
 daemon_config = pytest.importorskip("syncwatch.daemon.config")
 scenarios = pytest.importorskip("syncwatch.sim.scenarios", reason="the simulator (syncwatch.sim) is not in this checkout")
+hardware_mod = pytest.importorskip("syncwatch.sim.hardware")
 
 NODES, RANKS_PER_NODE = 4, 4
 TIME_SCALE = 0.025
 SCRAPE = 0.5
+HARDWARE = ("thermal", "congestion")  # scenarios on their own daemons with simulated hardware
+
+
+def _daemon(node: str, extra=()):
+    return daemon_app.DaemonThread(daemon_config.DaemonConfig(
+        listen="127.0.0.1:0", socket=None, udp="127.0.0.1:0", node=node), extra_collectors=extra)
 
 
 @pytest.fixture(scope="module")
 def cluster():
     """Run every scenario through real daemons into one real Prometheus; yield (url, {name: (start, end)})."""
-    daemons = [daemon_app.DaemonThread(daemon_config.DaemonConfig(
-        listen="127.0.0.1:0", socket=None, udp="127.0.0.1:0", node=f"sim-node-{n:02d}")) for n in range(NODES)]
-    running = [x.start() for x in daemons]
-    prom = Prometheus([r.url.split("//", 1)[1] for r in running], scrape_interval=f"{int(SCRAPE * 1000)}ms")
+    hardware = {name: hardware_mod.SimulatedHardware(NODES, RANKS_PER_NODE, f"e2e-{name}-node-",
+                                                     period=0.1) for name in HARDWARE}  # ticks << windows
+    daemons = {None: [_daemon(f"sim-node-{n:02d}") for n in range(NODES)]}
+    for name, hw in hardware.items():
+        daemons[name] = [_daemon(node.node, (node.collectors(SCRAPE / 2),)) for node in hw.nodes]
+    running = {k: [x.start() for x in ds] for k, ds in daemons.items()}
+    prom = Prometheus([r.url.split("//", 1)[1] for rs in running.values() for r in rs],
+                      scrape_interval=f"{int(SCRAPE * 1000)}ms")
     try:
         prom.start()
         wait_until(prom.targets_up, 20, what="a first scrape of every daemon")
-        targets = [{"udp": r.udp_address} for r in running]
         threads, ranges = {}, {}
         for name in SCENARIO_MODES:
-            t = scenarios.ScenarioThread(name, targets, NODES, RANKS_PER_NODE,
-                                         steps=scenarios.DEFAULT_STEPS[name], job=f"e2e-{name}",
-                                         fast=False, time_scale=TIME_SCALE, seed=1, exchange_every=10)
+            own = name in hardware
+            t = scenarios.ScenarioThread(name, [{"udp": r.udp_address} for r in running[name if own else None]],
+                                         NODES, RANKS_PER_NODE, steps=scenarios.DEFAULT_STEPS[name],
+                                         job=f"e2e-{name}", fast=False, time_scale=TIME_SCALE, seed=1,
+                                         exchange_every=10,
+                                         node_prefix=f"e2e-{name}-node-" if own else "sim-node-")
+            if own:
+                hardware[name].follow(t.driver)
             ranges[name] = [time.time() - 1.0, None]
             t.start()
             threads[name] = t
@@ -57,23 +75,49 @@ def cluster():
         yield prom.url, {k: (s, e + 2 * SCRAPE) for k, (s, e) in ranges.items()}
     finally:
         prom.stop()
-        for x in daemons:
-            x.stop()
+        for ds in daemons.values():
+            for x in ds:
+                x.stop()
+        for hw in hardware.values():
+            hw.close()
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIO_MODES))
-def test_scenario_diagnosed_through_prometheus(cluster, name, monkeypatch, capsys):
-    url, ranges = cluster
+def _diagnose(monkeypatch, capsys, url, ranges, name) -> dict:
     start, end = ranges[name]
     code, out, err = run_cli(monkeypatch, capsys, [
         "diagnose", "--prometheus", url, "--job", f"e2e-{name}", "--start", f"{start:.3f}",
         "--end", f"{end:.3f}", "--window", "1.5", "--json"])
     assert code == 0, err
-    d = json.loads(out)
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIO_MODES))
+def test_scenario_diagnosed_through_prometheus(cluster, name, monkeypatch, capsys):
+    d = _diagnose(monkeypatch, capsys, *cluster, name)
     assert {f["mode"] for f in d["findings"]} == SCENARIO_MODES[name], json.dumps(d["findings"], indent=1)[:3000]
     assert d["ranks"] == NODES * RANKS_PER_NODE, d["scores"]
     if name == "healthy":
         assert d["verdict"] == "no structural problem found"
+
+
+def test_thermal_diagnosis_cites_the_throttling_gpus(cluster, monkeypatch, capsys):
+    d = _diagnose(monkeypatch, capsys, *cluster, "thermal")
+    (finding,) = [f for f in d["findings"] if f["mode"] == "thermal_coupling"]
+    (hw,) = [e for e in finding["evidence"] if "syncwatch_gpu_throttle_active" in e["series"]]
+    hot = hw["reading"].removeprefix("straggling nodes ").removesuffix(" throttle or run hot").split(", ")
+    assert hot and set(hot) <= set(finding["subject"]["nodes"]), finding
+    assert all(n.startswith("e2e-thermal-node-") for n in hot)
+    assert finding["confidence"] >= 0.85
+    assert not any("no GPU telemetry" in n for n in d["notes"]), d["notes"]
+
+
+def test_congestion_diagnosis_cites_the_fabric_counters(cluster, monkeypatch, capsys):
+    d = _diagnose(monkeypatch, capsys, *cluster, "congestion")
+    (finding,) = [f for f in d["findings"] if f["mode"] == "fabric_contention"]
+    corr = {e["series"].split()[0]: e["value"] for e in finding["evidence"] if "sum over nodes" in e["series"]}
+    assert set(corr) == {"ib_xmit_wait_rate", "roce_congestion_rate"}, finding["evidence"]
+    assert min(corr.values()) > 0.5, corr   # the counters follow the collective time (r 0.93-0.98 seen)
+    assert finding["confidence"] >= 0.9
 
 
 def test_unknown_job_and_empty_range_exit_2(cluster, monkeypatch, capsys):
