@@ -11,7 +11,7 @@ from conftest import subprocess_env
 
 def test_demo_serves_live_metrics_and_prints_a_summary():
     cmd = [sys.executable, "-m", "syncwatch", "demo", "--scenario", "straggler", "--nodes", "2",
-           "--ranks-per-node", "3", "--base-port", "0", "--duration", "4", "--step-time", "0.05",
+           "--ranks-per-node", "3", "--base-port", "0", "--duration", "5", "--step-time", "0.05",
            "--summary-every", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=subprocess_env())
@@ -31,6 +31,15 @@ def test_demo_serves_live_metrics_and_prints_a_summary():
             time.sleep(0.1)
         assert m and float(m.group(1)) >= 3, body[:2000]
         assert 'node="sim-node-01"' in body
+        # simulated hardware (on by default): the straggler (rank 5 = node 1, local rank 2) runs on
+        # a hot, thermally throttled GPU whose uuid is the one its rank reports
+        assert 'rank="5",train_job="sim-straggler",uuid="GPU-sim-node-01-2"' in body
+        hot = r'syncwatch_gpu_throttle_active\{gpu="2",reason="sw_thermal",uuid="GPU-sim-node-01-2"\} 1\.0'
+        while not re.search(hot, body) and time.monotonic() < deadline + 5:
+            time.sleep(0.2)
+            body = urllib.request.urlopen(urls[1] + "/metrics", timeout=5).read().decode()
+        assert re.search(hot, body), body[:4000]
+        assert 'syncwatch_roce_cnp_handled_total{device="mlx5_0",port="1"}' in body
         out, err = proc.communicate(timeout=20)
     finally:
         proc.kill()
@@ -38,6 +47,16 @@ def test_demo_serves_live_metrics_and_prints_a_summary():
     lines = [ln for ln in out.splitlines() if "steps/s" in ln]
     assert len(lines) >= 2
     assert "last arrival: rank 5 (sim-node-01)" in lines[-1]  # the straggler scenario's rank
+
+
+def test_demo_hardware_flag_and_its_env_twin(monkeypatch):
+    from syncwatch import cli
+    monkeypatch.setattr(cli, "SUBCOMMANDS", {"demo": "syncwatch.sim.demo"})
+    assert cli.build_parser().parse_args(["demo"]).hardware is True
+    assert cli.build_parser().parse_args(["demo", "--no-hardware"]).hardware is False
+    monkeypatch.setenv("SYNCWATCH_DEMO_HARDWARE", "off")
+    assert cli.build_parser().parse_args(["demo"]).hardware is False
+    assert cli.build_parser().parse_args(["demo", "--hardware"]).hardware is True
 
 
 def test_demo_scaling_prints_cv_against_the_paper():

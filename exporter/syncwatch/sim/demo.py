@@ -98,7 +98,7 @@ def main(args) -> int:
     try:
         if args.hardware and not args.send_to:
             from .hardware import SimulatedHardware
-            hardware = SimulatedHardware(args.nodes, args.ranks_per_node, NODE_PREFIX, period=1.0)
+            hardware = SimulatedHardware(args.nodes, args.ranks_per_node, NODE_PREFIX, period=0.5)
         for n in range(0 if args.send_to else args.nodes):
             port = args.base_port + n if args.base_port else 0
             config = DaemonConfig(listen=f"{args.listen_host}:{port}",

@@ -1,0 +1,136 @@
+"""The simulated hardware (``syncwatch.sim.hardware``) read through the real collectors, advanced
+tick by tick from a model-only driver (fast mode, no daemons): every reading must follow the
+simulator's truth."""
+
+from __future__ import annotations
+
+import pytest
+
+from syncwatch.sim.driver import Driver, gpu_uuid
+from syncwatch.sim.hardware import (BASE_CLOCK_MHZ, CONGESTED_STEP, QUIET_STEP, SimulatedHardware,
+                                    THROTTLE_HEAT)
+from syncwatch.sim.scenarios import scenario_params, straggler_rank
+
+
+def _setup(scenario: str, nodes: int = 2, ranks: int = 2, **params):
+    driver = Driver(scenario_params(scenario, nodes, ranks, **params), seed=3, keep_steps=True)
+    hw = SimulatedHardware(nodes, ranks, "sim-node-", period=3600)  # ticks by hand below
+    hw.follow(driver)
+    return driver, hw
+
+
+def _read(hw: SimulatedHardware, n: int) -> dict:
+    """{(metric sample name, frozenset(labels)): value} from node ``n``'s real collectors."""
+    runner = hw.nodes[n].collectors(1.0)
+    runner.run_once()
+    out = {}
+    for fam in runner.collect():
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    runner.stop()
+    return out
+
+
+def _gpu(values: dict, metric: str, uuid: str, **labels) -> float:
+    (v,) = [x for (name, ls), x in values.items()
+            if name == metric and ("uuid", uuid) in ls and set(labels.items()) <= ls]
+    return v
+
+
+def _port(values: dict, metric: str) -> float:
+    return values[(metric, frozenset({"device": "mlx5_0", "port": "1"}.items()))]
+
+
+def test_thermal_hot_node_follows_the_models_sinusoid():
+    driver, hw = _setup("thermal", nodes=4, ranks=2)
+    with hw:
+        seen_throttled = set()
+        for _ in range(12):                       # one 300-step period, every 25 steps
+            driver.run(25)
+            hw.tick(1.0)
+            factors = driver.model.node_factors(driver.truth.last_step)
+            readings = [_read(hw, n) for n in range(4)]
+            temps = [_gpu(r, "syncwatch_gpu_temperature_celsius", gpu_uuid(f"sim-node-{n:02d}", 0))
+                     for n, r in enumerate(readings)]
+            hottest = max(range(4), key=factors.__getitem__)
+            assert max(range(4), key=temps.__getitem__) == hottest
+            for n, r in enumerate(readings):
+                uuid = gpu_uuid(f"sim-node-{n:02d}", 0)
+                heat = (factors[n] - 1) / 0.06
+                throttled = _gpu(r, "syncwatch_gpu_throttle_active", uuid, reason="sw_thermal")
+                assert throttled == (1.0 if heat >= THROTTLE_HEAT else 0.0)
+                if throttled:
+                    seen_throttled.add(n)
+                clock = _gpu(r, "syncwatch_gpu_sm_clock_hertz", uuid)
+                assert clock == pytest.approx(BASE_CLOCK_MHZ / factors[n] * 1e6, rel=1e-3)
+        assert seen_throttled, "no node got hot enough to throttle in a whole period"
+
+
+def test_straggler_gpu_is_hot_and_slow_once_it_straggles():
+    driver, hw = _setup("straggler", nodes=2, ranks=4)
+    rank = straggler_rank(8)
+    node, local = divmod(rank, 4)
+    with hw:
+        driver.run(10)                            # before straggler_from_step (20)
+        hw.tick(1.0)
+        early = _read(hw, node)
+        assert _gpu(early, "syncwatch_gpu_throttle_active", gpu_uuid(f"sim-node-{node:02d}", local),
+                    reason="sw_thermal") == 0
+        driver.run(20)
+        hw.tick(1.0)
+        for n in range(2):
+            r = _read(hw, n)
+            for g in range(4):
+                uuid = gpu_uuid(f"sim-node-{n:02d}", g)
+                slow = (n, g) == (node, local)
+                assert _gpu(r, "syncwatch_gpu_throttle_active", uuid, reason="sw_thermal") == float(slow)
+                assert (_gpu(r, "syncwatch_gpu_temperature_celsius", uuid) >= 80) == slow
+                assert _gpu(r, "syncwatch_gpu_sm_clock_hertz", uuid) == pytest.approx(
+                    (BASE_CLOCK_MHZ / 1.08 if slow else BASE_CLOCK_MHZ) * 1e6, rel=1e-3)
+
+
+def test_congestion_episodes_raise_fabric_counters_on_every_node():
+    driver, hw = _setup("congestion", nodes=2, ranks=2)
+    with hw:
+        before = [_read(hw, n) for n in range(2)]
+        driver.run(99)                            # quiet: the first episode starts at step 100
+        hw.tick(1.0)
+        quiet = [_read(hw, n) for n in range(2)]
+        driver.run(20)
+        hw.tick(1.0)
+        episode = [_read(hw, n) for n in range(2)]
+    assert driver.truth.congested_steps == 20
+    for n in range(2):
+        for metric, key in (("syncwatch_ib_port_xmit_wait_total", "port_xmit_wait"),
+                            ("syncwatch_roce_cnp_sent_total", "np_cnp_sent"),
+                            ("syncwatch_roce_cnp_handled_total", "rp_cnp_handled"),
+                            ("syncwatch_roce_ecn_marked_total", "np_ecn_marked_roce_packets")):
+            assert _port(quiet[n], metric) - _port(before[n], metric) == 99 * QUIET_STEP[key]
+            assert _port(episode[n], metric) - _port(quiet[n], metric) == 20 * CONGESTED_STEP[key]
+        # traffic follows steps: a 2-node ring moves the whole 256 MiB gradient each way per step
+        key = ("syncwatch_ib_port_data_bytes_total",
+               frozenset({"device": "mlx5_0", "port": "1", "direction": "transmit"}.items()))
+        assert episode[n][key] - before[n][key] == 119 * 256 * 2**20
+
+
+def test_energy_accumulates_power_and_idles_without_steps():
+    driver, hw = _setup("healthy", nodes=1, ranks=1)
+    uuid = gpu_uuid("sim-node-00", 0)
+    with hw:
+        e0 = _gpu(_read(hw, 0), "syncwatch_gpu_energy_joules_total", uuid)
+        driver.run(5)
+        hw.tick(2.0)
+        busy = _read(hw, 0)
+        hw.tick(2.0)                              # no step since: idle
+        idle = _read(hw, 0)
+    assert _gpu(busy, "syncwatch_gpu_power_watts", uuid) == pytest.approx(400.0)
+    assert _gpu(busy, "syncwatch_gpu_energy_joules_total", uuid) - e0 == pytest.approx(800.0)
+    assert _gpu(idle, "syncwatch_gpu_power_watts", uuid) == pytest.approx(90.0)
+    assert (_gpu(idle, "syncwatch_gpu_energy_joules_total", uuid)
+            - _gpu(busy, "syncwatch_gpu_energy_joules_total", uuid)) == pytest.approx(180.0)
+
+
+def test_follow_rejects_a_driver_of_another_shape():
+    with SimulatedHardware(2, 2, "sim-node-") as hw:
+        with pytest.raises(ValueError, match="3 nodes"):
+            hw.follow(Driver(scenario_params("healthy", 3, 2)))
