@@ -1,14 +1,15 @@
 """Training-thread cost of the instrumentation per step: six phases, a DDP backward, the record.
 
-    python benchmarks/instrument_hot_path.py [--steps 10000]
+    python benchmarks/instrument_hot_path.py [--steps 10000] [--find-unused]
 
 What is timed is what a training thread runs per step: six ``with phase(...)`` blocks, one
-backward through a small DDP model (one gloo rank in this process, 8 parameters: all of them
-watched, the most the hook-free path hooks) and ``step()`` (resolve, encode, send). The baseline
+backward through a small DDP model (one gloo rank in this process, 8 parameters; the hook-free
+path watches 1 of them, or all 8 with ``--find-unused``: DDP's ``find_unused_parameters=True``
+in both the plain and the watched model, the most the path hooks) and ``step()`` (resolve, encode, send). The baseline
 is the same step with the no-op API (not initialized) and an unwatched twin of the model; a third
 step, instrumented but with the unwatched model, splits the cost into the phases and record and
-the hook-free gradient wait (8 post-accumulate-grad hook calls, one of them queueing, and two
-autograd final callbacks). The three alternate and the medians of their per-step times are
+the hook-free gradient wait (1 or 8 post-accumulate-grad hook calls, one of them queueing, and
+two autograd final callbacks). The three alternate and the medians of their per-step times are
 compared (the machine is shared: medians of interleaved steps ignore other jobs' bursts). The
 record goes to a Unix datagram socket read by another process (like the daemon), or to nobody
 (daemon absent). A last line times ``ddp_hook_wrapper`` around a trivial comm hook, the cost a
@@ -42,9 +43,9 @@ READER = "import socket,sys\ns=socket.socket(socket.AF_UNIX,socket.SOCK_DGRAM)\n
          "print('ready',flush=True)\nwhile True: s.recv(4096)\n"
 
 
-def make_model():
+def make_model(find_unused: bool):
     torch.manual_seed(0)
-    return DDP(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
+    return DDP(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]), find_unused_parameters=find_unused)
 
 
 def one_step(model, x) -> int:
@@ -103,11 +104,14 @@ def wrapper_cost(n: int, path: str, rounds: int = 5) -> tuple[float, float]:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=10000)
+    p.add_argument("--find-unused", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    plain, watched = make_model(), make_model()
+    plain, watched = make_model(a.find_unused), make_model(a.find_unused)
     watch_gradients(watched)
+    print(f"hooked parameters: {sum(bool(p._post_accumulate_grad_hooks) for p in watched.parameters())}"
+          f" of 8; load average {os.getloadavg()[0]:.1f}")
     d = tempfile.mkdtemp(prefix="swb-")
     live = os.path.join(d, "live.sock")
     reader = subprocess.Popen([sys.executable, "-c", READER, live], stdout=subprocess.PIPE)
