@@ -1,16 +1,39 @@
 """End-to-end overhead of the instrumentation on a 4-rank CPU DDP loop, and the skew exchange.
 
-    python benchmarks/instrument_ddp_overhead.py [--world 4] [--blocks 20] [--block-steps 10]
+    python benchmarks/instrument_ddp_overhead.py [--world 4] [--pairs 150] [--block-steps 4] \
+        [--arm full|same|hook-only|calls-only|python-hook]
 
 Same processes, same run: every rank holds two identical DDP models, one plain (DDP's built-in
-all-reduce, no syncwatch calls) and one instrumented (``register``: the hook-free gradient wait
-and the collective wrappers, six phases, ``step``, exact skew exchange every K = 50 steps). Blocks of steps alternate between them, so machine
-load drifts cancel. Rank 0 prints the wall-time ratio, the exchange's latency (in its own thread)
-and the training thread's step time with and without an exchange in flight.
+all-reduce, no syncwatch calls) and one "instrumented" (``--arm full``: ``register``, i.e. the
+hook-free gradient wait and the collective wrappers, six phases, ``step``, exact skew exchange
+every K = 50 steps; ``--arm same``: a second plain model, the A/A check that shows the method's
+own noise floor; the other arms split syncwatch into its parts).
+
+Method, and why. On a shared 2-core VM running 4 ranks, the wall time of a block of steps
+drifts by several percent with other jobs, so a total wall ratio cannot resolve 0.5 %. So:
+
+* Many short blocks (``--block-steps`` steps, default 4), in ``--pairs`` pairs; each pair runs
+  one plain and one instrumented block back to back, in an order drawn at random per pair (the
+  same draw on every rank: the models' all-reduces must match), so slow drifts and any
+  first/second-in-pair bias cancel. Every block starts after a barrier.
+* Three figures per block: wall time (``perf_counter``), the training thread's CPU time
+  (``thread_time``: forward, backward compute, optimizer and all syncwatch calls on that
+  thread; it excludes gloo's threads and time spent waiting, so other jobs on the machine
+  disturb it far less than wall time) and the whole process's CPU time (``process_time``:
+  adds gloo's threads and syncwatch's exchange and heartbeat threads; an exchange still
+  running when its block ends is charged to the next block, whichever arm).
+* Per pair the ratio instrumented / plain; reported: the median of the pair ratios over all
+  ranks, with a 95 % bootstrap interval of that median (pairs resampled, 2000 times). The
+  ``same`` arm run the same way gives the noise floor: an effect is resolved only where the
+  ``full`` interval clears the A/A one.
+
+Rank 0 also prints the exchange's latency (in its own thread) and the training thread's step
+time with and without an exchange in flight.
 """
 
 import argparse
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -81,36 +104,48 @@ def rank_main(a):
         end_step(a.batch)
         step_times[busy].append(time.perf_counter() - t0)
 
-    for _ in range(3):  # warm-up (DDP rebuilds buckets after the first iteration)
+    for _ in range(5):  # warm-up (DDP rebuilds buckets after the first iteration)
         plain_step()
         inst_step()
-    times = {"plain": [], "inst": []}
-    cpu = {"plain": 0.0, "inst": 0.0}  # process CPU time: all threads, insensitive to other jobs
-    for b in range(2 * a.blocks):
-        arm = "inst" if b % 2 else "plain"
-        fn = inst_step if arm == "inst" else plain_step
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(a.block_steps):
-            fn()
-        times[arm].append(time.perf_counter() - t0)
-        cpu[arm] += time.process_time() - c0
+    rng = random.Random(a.seed)  # the same order on every rank
+    clocks = (time.perf_counter, time.thread_time, time.process_time)
+    ratios = [[] for _ in clocks]  # per pair: instrumented / plain, for each clock
+    totals = {"plain": [0.0] * 3, "inst": [0.0] * 3}
+    for _ in range(a.pairs):
+        spent = {}
+        for arm in rng.sample(("plain", "inst"), 2):
+            fn = inst_step if arm == "inst" else plain_step
+            dist.barrier()
+            t0 = [c() for c in clocks]
+            for _ in range(a.block_steps):
+                fn()
+            spent[arm] = [c() - t for c, t in zip(clocks, t0)]
+            totals[arm] = [x + y for x, y in zip(totals[arm], spent[arm])]
+        for r, p, i in zip(ratios, spent["plain"], spent["inst"]):
+            r.append(i / p)
     ex = m.exchange
     if ex:
         ex.drain(5)
     elif a.arm != "full":
         ex = None
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, ratios)
     if rank == 0:
-        p, i = sum(times["plain"]), sum(times["inst"])
-        ratios = [ti / tp for tp, ti in zip(times["plain"], times["inst"])]
-        n = a.blocks * a.block_steps
-        print(f"world {dist.get_world_size()}, hidden {a.hidden}, batch {a.batch}, "
-              f"{n} steps per arm in {a.blocks} alternating blocks")
-        print(f"mean step: plain {p / n * 1e3:.3f} ms, instrumented {i / n * 1e3:.3f} ms")
-        print(f"overhead ratio (instrumented/plain, total): {i / p:.4f}; "
-              f"median of block ratios: {statistics.median(ratios):.4f}")
-        print(f"rank 0 process CPU per step: plain {cpu['plain'] / n * 1e3:.3f} ms, instrumented "
-              f"{cpu['inst'] / n * 1e3:.3f} ms, ratio {cpu['inst'] / cpu['plain']:.4f}")
+        n = a.pairs * a.block_steps
+        print(f"arm {a.arm}, world {dist.get_world_size()}, hidden {a.hidden}, batch {a.batch}, "
+              f"{n} steps per arm in {a.pairs} pairs of {a.block_steps}-step blocks, "
+              f"load average {os.getloadavg()[0]:.1f}")
+        print(f"rank 0 mean step: plain {totals['plain'][0] / n * 1e3:.3f} ms, instrumented "
+              f"{totals['inst'][0] / n * 1e3:.3f} ms; training-thread CPU "
+              f"{totals['plain'][1] / n * 1e3:.3f} / {totals['inst'][1] / n * 1e3:.3f} ms")
+        rng = random.Random(1)
+        for k, label in enumerate(("wall", "training-thread CPU", "process CPU")):
+            per_rank = [g[k] for g in gathered]
+            pooled = [r for rr in per_rank for r in rr]
+            med, lo, hi = median_interval(per_rank, rng)
+            ranks = " ".join(f"{statistics.median(rr):.4f}" for rr in per_rank)
+            print(f"{label:20s} ratio, median of {len(pooled)} pair ratios: {med:.4f} "
+                  f"(95 % bootstrap {lo:.4f}-{hi:.4f}); per rank {ranks}")
         if ex: print(f"skew exchange (K={a.k}): {ex.windows_done} windows, "
               f"{ex.seconds / max(ex.windows_done, 1) * 1e3:.2f} ms each in its own thread, "
               f"payload 2 x {8 * a.k} bytes per rank")
@@ -123,11 +158,22 @@ def rank_main(a):
     dist.destroy_process_group()
 
 
+def median_interval(per_rank, rng, resamples: int = 2000):
+    """Median of all ranks' pair ratios, and a 95 % bootstrap interval: pairs are resampled
+    together across ranks (a pair is one moment of the run, shared by all ranks)."""
+    pairs = list(zip(*per_rank))
+    pooled = [r for pair in pairs for r in pair]
+    meds = sorted(statistics.median([r for pair in rng.choices(pairs, k=len(pairs)) for r in pair])
+                  for _ in range(resamples))
+    return statistics.median(pooled), meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--world", type=int, default=4)
-    p.add_argument("--blocks", type=int, default=20)
-    p.add_argument("--block-steps", type=int, default=10)
+    p.add_argument("--pairs", type=int, default=150)
+    p.add_argument("--block-steps", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--k", type=int, default=50)

@@ -481,7 +481,7 @@ def test_default_ddp_path_registers_no_comm_hook_and_waits_for_the_collectives(r
         assert ddp._comm_hooks == [] and ddp._get_ddp_logging_data().get("comm_hook") is None
         params = list(ddp.parameters())
         hooked = [bool(p._post_accumulate_grad_hooks) for p in params]
-        assert hooked == [False] + [True] * 8 + [False] * 3  # first 8 that require grad
+        assert hooked == [False, True] + [False] * 10  # the first that requires grad: all get one
         x = torch.randn(4, 8)
         train_step(m, ddp, torch, x)
         with ddp.no_sync():                    # gradient accumulation: nothing is synchronized
@@ -498,6 +498,43 @@ def test_default_ddp_path_registers_no_comm_hook_and_waits_for_the_collectives(r
         assert 0.05 <= r3.wait_seconds < 0.2 and r3.collective_sequence == 2
         assert phase(r3, "backward") < 0.05   # the wait is not backward compute
         assert r3.totals.internal_errors == 0
+    finally:
+        _state.monitor = None
+        m.shutdown()
+
+
+def test_with_unused_parameters_allowed_the_first_8_are_watched(rx, ddp_world1):
+    """With ``find_unused_parameters`` the first parameter may get no gradient: the wait is
+    still measured through another watched one."""
+    torch = ddp_world1
+    import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
+    from torch import nn
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.skipped = nn.Linear(8, 8)
+            self.layers = nn.Sequential(*[nn.Linear(8, 8) for _ in range(5)])
+
+        def forward(self, x, skip):
+            return self.layers(x if skip else self.skipped(x))
+
+    m = make_monitor(rx)
+    _state.monitor = m
+    try:
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(Branchy(), find_unused_parameters=True)
+        sw.register(ddp, collectives=False)
+        assert [bool(p._post_accumulate_grad_hooks) for p in ddp.parameters()] == [True] * 8 + [False] * 4
+        x = torch.randn(4, 8)
+        for skip in (False, True):
+            with m.phase("backward"):
+                ddp(x, skip).sum().backward()
+            m.step(4)
+        r1, r2 = steps(rx, 2)
+        assert r1.wait_seconds > 0 and r1.collective_sequence == 1
+        assert r2.wait_seconds > 0 and r2.collective_sequence == 2  # self.skipped got no gradient
     finally:
         _state.monitor = None
         m.shutdown()

@@ -1,8 +1,8 @@
 """How the gradient wait of a DDP model is measured, and the ``torch.distributed`` wrappers.
 
 Default, hook-free (``watch_gradients``): DDP keeps its built-in C++ all-reduce. A
-post-accumulate-grad hook on the model's first few parameters (they get their gradients near the
-end of backward) queues a callback on the autograd engine once per backward. Final callbacks run
+post-accumulate-grad hook on the model's first parameter that requires grad (or its first few,
+where DDP allows unused parameters) queues a callback on the autograd engine once per backward. Final callbacks run
 in FIFO order after backward's last node: this first callback marks "gradients ready" (all of
 the backward's compute is done) and queues a second one. DDP queues its ``finalize_backward``
 (which waits for every bucket's all-reduce) when its last bucket becomes ready, after our first
@@ -33,7 +33,8 @@ from . import _state
 # collective -> position of its ``async_op`` parameter
 COLLECTIVES = {"all_reduce": 3, "reduce_scatter": 4, "reduce_scatter_tensor": 4, "all_gather": 3,
                "all_gather_into_tensor": 3, "broadcast": 3, "barrier": 1}
-WATCHED_PARAMETERS = 8  # hooked so that at least one of them gets a gradient in every backward
+WATCHED_PARAMETERS = 8  # hooked, where DDP allows unused parameters, so that at least one of
+# them gets a gradient in every backward; otherwise every parameter gets one and 1 is enough
 BUCKET_COUNT_READS = 3  # DDP rebuilds its buckets once, after its first iteration
 
 
@@ -68,8 +69,13 @@ class Handle:
 def watch_gradients(model) -> Handle:
     """Measure the gradient wait of a ``DistributedDataParallel`` model without a comm hook.
 
-    Hooks the first ``WATCHED_PARAMETERS`` parameters that require grad; the first of them to
-    get its gradient in a backward queues the two callbacks (see the module docstring). Like
+    Hooks the first parameter that requires grad, or the first ``WATCHED_PARAMETERS`` where
+    DDP allows unused parameters (``find_unused_parameters`` or ``static_graph``); the first of
+    them to get its gradient in a backward queues the two callbacks (see the module docstring).
+    Without unused parameters every parameter gets a gradient in every backward (DDP raises
+    otherwise), and each hook costs a Python call from the autograd engine (~1-3 us), so one
+    is enough. Its tensor hook runs before DDP's own hook on the same parameter's gradient
+    accumulator, so our first callback is still queued before DDP's ``finalize_backward``. Like
     the wrapper, which counts each bucket's hook, a synchronized backward advances the
     collective sequence by DDP's bucket count (its all-reduces). A backward under
     ``model.no_sync()`` synchronizes nothing and is not measured. A model that is already
@@ -113,7 +119,10 @@ def watch_gradients(model) -> Handle:
         except Exception:
             m._error()
 
-    params = [p for p in model.parameters() if p.requires_grad][:WATCHED_PARAMETERS]
+    unused_allowed = getattr(model, "find_unused_parameters", True) or getattr(
+        model, "static_graph", True)
+    watched = WATCHED_PARAMETERS if unused_allowed else 1
+    params = [p for p in model.parameters() if p.requires_grad][:watched]
     for p in params:
         handle.add(p.register_post_accumulate_grad_hook(gradient_accumulated).remove)
     model._syncwatch_watched = True

@@ -182,9 +182,9 @@ class Monitor:
         try:
             for _ in range(collectives):
                 self.collective_sequence = next(self._seq)
-            self._ddp_ready = self.clock.mark()
+            self._ddp_ready = ready = self._mark()
             if not self.in_sync():
-                self.sync_since = time.perf_counter_ns()
+                self.sync_since = ready if not self._lazy else time.perf_counter_ns()
             self._ddp_in += 1
         except Exception:
             self._error()
@@ -193,7 +193,7 @@ class Monitor:
         """The bucket's collective finished (wrapper path, communication thread), or all of them
         (hook-free path: the final callback queued after DDP's finalize)."""
         try:
-            self._ddp_done = self.clock.mark()
+            self._ddp_done = self._mark()
             self._ddp_out_n = next(self._ddp_out)
         except Exception:
             self._error()
@@ -270,14 +270,19 @@ class Monitor:
     @staticmethod
     def _durations_host(s0, s1, spans, sync, grad):
         """(step, phases, wait) in seconds from integer nanosecond marks: plain arithmetic."""
-        sync_ns = [b - a for a, b in sync]
         phases = [0.0] * _NPH
-        for idx, a, b, lo, hi in spans:
-            # a phase's own time excludes the collective waits inside it (they are ``sync``)
-            d = b - a - (sum(sync_ns[lo:hi]) if hi > lo else 0)
-            if d > 0:
-                phases[idx] += d * 1e-9
-        phases[SYNC] += sum(sync_ns) * 1e-9
+        if sync:
+            sync_ns = [b - a for a, b in sync]
+            for idx, a, b, lo, hi in spans:
+                # a phase's own time excludes the collective waits inside it (they are ``sync``)
+                d = b - a - (sum(sync_ns[lo:hi]) if hi > lo else 0)
+                if d > 0:
+                    phases[idx] += d * 1e-9
+            phases[SYNC] += sum(sync_ns) * 1e-9
+        else:
+            for idx, a, b, _, _ in spans:
+                if b > a:
+                    phases[idx] += (b - a) * 1e-9
         wait = (grad[1] - grad[0]) * 1e-9 if grad is not None else phases[SYNC]
         return max((s1 - s0) * 1e-9, 0.0), phases, max(wait, 0.0)
 
@@ -297,7 +302,10 @@ class Monitor:
         t = self.totals
         t.steps += 1
         t.step_seconds += step_s
-        t.phase_seconds = [a + b for a, b in zip(t.phase_seconds, phases)]
+        totals = t.phase_seconds
+        for i, d in enumerate(phases):
+            if d:
+                totals[i] += d
         t.samples += samples
         t.tokens += tokens
         if self.exchange_every:
