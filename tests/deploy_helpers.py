@@ -1,13 +1,15 @@
-"""Helpers shared by the deployment tests: YAML loading and the vendored schemas."""
+"""Helpers shared by the deployment tests: YAML loading, the vendored schemas, polling."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import json
+import time
 from pathlib import Path
 
 import jsonschema
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,3 +63,22 @@ def compose_validator() -> jsonschema.protocols.Validator:
     schema = json.loads((SCHEMAS / "compose-spec" / "compose-spec.json").read_text())
     # The file names draft 7 as an https URL, which validator_for() does not recognise.
     return jsonschema.Draft7Validator(schema)
+
+
+def wait_for(predicate, timeout: float, what: str, procs=(), log: Path | None = None):
+    """Poll ``predicate`` (an OSError counts as not yet) until it is truthy; fail the test on
+    timeout with ``log``'s tail, or at once when one of ``procs`` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                pytest.fail(f"{p.args[3:5]} exited with {p.returncode} while waiting for {what}")
+        try:
+            result = predicate()
+        except OSError:
+            result = None
+        if result:
+            return result
+        time.sleep(0.25)
+    extra = f"\n{log.read_text()[-3000:]}" if log and log.exists() else ""
+    pytest.fail(f"timed out after {timeout:g}s waiting for {what}{extra}")

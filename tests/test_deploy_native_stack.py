@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 
@@ -17,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import subprocess_env
-from deploy_helpers import ROOT
+from deploy_helpers import ROOT, wait_for
 from syncwatch.stack import free_port
 
 pytestmark = [
@@ -35,20 +34,6 @@ def api(port: int, path: str, **params):
         return json.loads(r.read())["data"]
 
 
-def wait_for(predicate, timeout: float, what: str, procs=()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                pytest.fail(f"{p.args[3:5]} exited with {p.returncode} while waiting for {what}")
-        try:
-            result = predicate()
-        except OSError:
-            result = None
-        if result:
-            return result
-        time.sleep(0.25)
-    pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
 
 
 def syncwatch(*args: str) -> subprocess.Popen:

@@ -21,7 +21,7 @@ import urllib.parse
 import pytest
 import yaml
 
-from deploy_helpers import ROOT
+from deploy_helpers import ROOT, wait_for
 from syncwatch.stack import free_port, http_get
 
 VM = shutil.which("victoria-metrics")
@@ -34,18 +34,6 @@ JOB = "scaleout-test"
 RULE = "train_job:syncwatch_step_seconds:mean5m"
 
 
-def wait_for(predicate, timeout: float, what: str, log=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = predicate()
-        except OSError:
-            result = None
-        if result:
-            return result
-        time.sleep(0.25)
-    extra = f"\n{log.read_text()[-3000:]}" if log and log.exists() else ""
-    pytest.fail(f"timed out after {timeout:g}s waiting for {what}{extra}")
 
 
 class Process:
@@ -76,7 +64,7 @@ def victoria(tmp_path):
     vm = Process([VM, f"-httpListenAddr=127.0.0.1:{port}", f"-storageDataPath={tmp_path / 'vm'}",
                   "-retentionPeriod=1d", "-loggerLevel=ERROR"], tmp_path / "vm.log")
     url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: http_get(url + "/health").strip() == b"OK", 30, "VictoriaMetrics", vm.log)
+    wait_for(lambda: http_get(url + "/health").strip() == b"OK", 30, "VictoriaMetrics", log=vm.log)
     yield url
     assert vm.stop() == 0
 
@@ -155,13 +143,13 @@ def test_agent_and_ruler_remote_write_into_victoriametrics(tmp_path, victoria, f
 
         raw = wait_for(lambda: [s for s in export(victoria, '{__name__="syncwatch_steps_total"}')
                                 if s["metric"].get("rack") == rack],
-                       45, "the agent's syncwatch_steps_total in VictoriaMetrics", servers[0].log)
+                       45, "the agent's syncwatch_steps_total in VictoriaMetrics", log=servers[0].log)
         assert {s["metric"]["rank"] for s in raw} == {"0", "1"}
         assert all(s["metric"]["train_job"] == JOB for s in raw)
 
         recorded = wait_for(lambda: [s for s in export(victoria, f'{{__name__="{RULE}"}}')
                                      if s["values"]],
-                            45, f"the recording rule {RULE} in VictoriaMetrics", servers[1].log)
+                            45, f"the recording rule {RULE} in VictoriaMetrics", log=servers[1].log)
         assert [s["metric"]["train_job"] for s in recorded] == [JOB]
         # 50 ms steps: the mean step time the rule computed, read back from the TSDB.
         assert recorded[0]["values"][-1] == pytest.approx(0.05, rel=0.05)
