@@ -72,6 +72,7 @@ def measure(n: int, path: str, plain, watched, x) -> tuple[float, float, float]:
         calls.append(one_step(plain, x))
         full.append(one_step(watched, x))
     _state.monitor = None
+    monitor.flush()
     assert monitor.collective_sequence >= n, "the gradient wait was not measured"  # per bucket
     monitor.shutdown()
     return tuple(statistics.median(v) / 1000 for v in (base, calls, full))

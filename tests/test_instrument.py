@@ -195,6 +195,7 @@ def test_exchange_windows_and_results_feed_slack_and_rank0_skew(rx):
     m = make_monitor(rx, exchange=ex, exchange_every=3)
     for _ in range(3):
         m.step(1)
+    m.flush()  # what the records thread does every flush_seconds
     assert len(ex.windows) == 1 and len(ex.windows[0]) == 3
     ex.results.append(WindowResult(0.09, 2, (0.03, 0.0004, 0.2)))
     m.step(1)
@@ -233,6 +234,7 @@ def test_daemon_absent_drops_and_counts(tmp_path):
     m = Monitor(IDENT, Sender(str(tmp_path / "nobody.sock")), heartbeat_seconds=0)
     for _ in range(5):
         m.step(1)
+    m.flush()
     assert m.sender.dropped == 5 and m.totals.steps == 5
     m.shutdown()
 
@@ -309,6 +311,7 @@ def test_cuda_events_are_resolved_lazily_without_synchronize(rx):
             dev.launch(1)
         m.step(1)
         dev.run()
+        m.flush()                             # the records thread, every flush_seconds
     assert FakeEvent.created - created <= 4
     m.shutdown()                              # resolves the rest by polling, never synchronize
     assert wait_for(lambda: len(rx.of(StepRecord)) == 23)
@@ -321,6 +324,7 @@ def test_cuda_steps_waiting_on_a_stuck_device_are_bounded(rx):
     for _ in range(100):
         dev.launch(1)
         m.step(1)
+    m.flush()
     assert len(m._pending) == 64
     m.shutdown(timeout=0.05)
 
@@ -422,9 +426,11 @@ def test_ddp_hook_wrapper_times_buckets_and_passes_through_when_detached(rx):
     try:
         out = hook(2.0, torch.ones(3)).wait()
         assert torch.equal(out, torch.full((3,), 2.0))          # the user's hook's result
-        assert m.collective_sequence == 1 and m._ddp_done is not None
+        m.flush()
+        assert m.collective_sequence == 1 and m._done is not None
         enabled[0] = False                                      # handle.remove()
         assert torch.equal(hook(3.0, torch.ones(3)).wait(), torch.full((3,), 3.0))
+        m.flush()
         assert m.collective_sequence == 1
     finally:
         _state.monitor = None

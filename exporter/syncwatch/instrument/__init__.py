@@ -61,7 +61,10 @@ def current() -> Monitor | None:
 def phase(name: str):
     """Time a phase: data, forward, backward, optimizer, checkpoint (any other name: ``other``)."""
     m = _state.monitor
-    return m.phase(name) if m is not None else _NULL
+    if m is None:
+        return _NULL
+    p = m._phases.get(name)  # the common case, without a second call
+    return p if p is not None else m.phase(name)
 
 
 def step(samples: float = 0, tokens: float | None = None, step: int | None = None) -> None:

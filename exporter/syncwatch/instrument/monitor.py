@@ -1,13 +1,21 @@
 """The per-rank recorder: phases, collective waits, step records, heartbeats.
 
-Torch-free on purpose (the simulator and the unit tests drive it directly); ``syncwatch.instrument``
-builds one from ``torch.distributed`` and hooks it into DDP and the collectives.
+Torch-free on purpose (the unit tests drive it directly); ``syncwatch.instrument`` builds one
+from ``torch.distributed`` and hooks it into DDP and the collectives.
 
-Threads that touch it: the training thread (phases, steps, wrapped collectives), the autograd and
-communication threads (gradients ready and collectives done, see ``hooks``), the heartbeat
-thread (reads a few attributes) and the skew-exchange thread (appends results to a deque). They
-share only single attribute writes and ``deque``/``list`` appends, which are atomic in CPython:
-no locks on the hot path.
+Two halves, so that the training thread does as little as possible:
+
+* **The hot path** (the training thread; the autograd and communication threads for the DDP
+  marks) only appends an *entry* — a code and a clock mark in a tuple — to a deque: a phase's
+  start and end, a collective's start and end, gradients ready and synchronized, a step's end.
+  ``deque.append`` is atomic in CPython: no locks, no syscalls, no allocation beyond the tuple.
+* **The records thread** wakes every ``flush_seconds`` (0.05 s), replays the entries into step
+  records (phase durations, collective waits taken out of the phases around them, the step's
+  gradient wait, cumulative totals, the skew-exchange windows), encodes and sends them, and sends
+  the heartbeat every ``heartbeat_seconds``. A record reaches the daemon within
+  ``flush_seconds`` of its step's end (on CUDA, once the device has passed the step's events).
+  Working through a burst of entries at once also runs that Python with warm caches, where one
+  record per ``step()`` call ran it cold after every backward.
 
 Every entry point catches its own exceptions: an internal error is counted, logged once, and
 reported to the daemon in the next record; it never reaches the training code.
@@ -17,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
 import threading
 import time
@@ -33,6 +40,15 @@ OTHER = PHASE_INDEX["other"]
 CHECKPOINT = PHASE_INDEX["checkpoint"]
 _NPH = len(PHASE_INDEX)
 MAX_PENDING = 64  # lazily timed (CUDA) steps waiting for their events; beyond this the oldest go
+MAX_ENTRIES = 1 << 16  # hot-path entries waiting for the records thread (~4 k steps)
+FLUSH_SECONDS = 0.05
+
+# Entry codes. A phase's start is its index, its end the index + EXIT. Layouts:
+#   (phase, mark) (phase + EXIT, mark) (READY, mark, collectives) (DONE, mark)
+#   (COLL, mark) (COLL_END, mark) (SEQ,) (STEP, mark, wall, samples, tokens, step number | None)
+EXIT = 8
+STEP, READY, DONE, COLL, COLL_END, SEQ = 16, 17, 18, 19, 20, 21
+_SEQ_ENTRY = (SEQ,)
 
 
 def phase_index(name: str) -> int:
@@ -41,47 +57,36 @@ def phase_index(name: str) -> int:
 
 
 class _Phase:
-    """Context manager timing one phase. A plain class: ~4x cheaper than @contextmanager."""
+    """Context manager timing one phase: one entry in, one entry out. Stateless, so one object
+    per name serves nested and repeated uses alike."""
 
-    __slots__ = ("_m", "_idx", "_start", "_sync0", "_prev", "_prev_since", "active")
+    __slots__ = ("_put", "_mark", "_start", "_end", "_m")
 
     def __init__(self, monitor: Monitor, idx: int):
         self._m = monitor
-        self._idx = idx
-        self.active = False
+        self._put = monitor._entries.append
+        self._mark = monitor._mark
+        self._start, self._end = idx, idx + EXIT
 
     def __enter__(self):
-        m = self._m
         try:
-            self.active = True
-            self._start = start = m._mark()
-            self._sync0 = len(m._sync)
-            self._prev, self._prev_since = m.phase_idx, m.phase_since
-            m.phase_idx = self._idx
-            m.phase_since = start if not m._lazy else time.perf_counter_ns()
+            self._put((self._start, self._mark()))
         except Exception:
-            m._error()
+            self._m._error()
         return self
 
-    def __exit__(self, *exc):
-        m = self._m
+    def __exit__(self, exc_type, exc, tb):
         try:
-            end = m._mark()
-            if m._ddp_ready is not None:
-                m._close_ddp()
-            m._spans.append((self._idx, self._start, end, self._sync0, len(m._sync)))
-            if self._idx == CHECKPOINT:
-                m.totals.checkpoints += 1
-            m.phase_idx, m.phase_since = self._prev, self._prev_since
-            self.active = False
+            self._put((self._end, self._mark()))
         except Exception:
-            m._error()
+            self._m._error()
         return False  # never swallow the training code's exceptions
 
 
 class Monitor:
     def __init__(self, identity: Identity, sender, *, clock=None, exchange=None,
-                 exchange_every: int = 50, heartbeat_seconds: float = 5.0):
+                 exchange_every: int = 50, heartbeat_seconds: float = 5.0,
+                 flush_seconds: float = FLUSH_SECONDS):
         self.identity = identity
         self.encoder = Encoder(identity)
         self.sender = sender
@@ -97,95 +102,62 @@ class Monitor:
         self._exact = False
         self._has_tokens = False
         self.errors = 0
+        self._errors_lock = threading.Lock()
         self.closed = False
-        # this step
-        self._spans: list = []   # (phase index, start mark, end mark, sync index lo, hi)
-        self._sync: list = []    # (start mark, end mark) of collective waits
-        self._grad: tuple | None = None  # the step's gradient-sync wait (DDP), also in _sync
-        self._ddp_ready = None   # mark when the (latest bucket's) gradients were ready
-        self._ddp_done = None    # mark when the (latest bucket's) collective was done
-        self._step_start = self.clock.mark()
+        # hot path -> records thread
+        self._entries: collections.deque = collections.deque(maxlen=MAX_ENTRIES)
+        self._put = self._entries.append
         self._phases = {name: _Phase(self, i) for name, i in PHASE_INDEX.items()}
-        self._pending: collections.deque = collections.deque()
+        # the replay's state: only the records thread (or flush()) touches it, under _lock
+        self._lock = threading.Lock()
+        self._stack: list = []   # open phases: (index, start mark, sync index, host ns)
+        self._spans: list = []   # this step's phases: (index, start, end, sync index lo, hi)
+        self._sync: list = []    # this step's collective waits: (start mark, end mark)
+        self._colls: list = []   # start marks of blocking collectives not yet ended
+        self._grad: tuple | None = None  # the step's gradient-sync wait (DDP), also in _sync
+        self._ready = None       # mark when the (latest bucket's) gradients were ready
+        self._done = None        # mark when the (latest bucket's) collective was done
+        self._step_start = self.clock.mark()
+        self._pending: collections.deque = collections.deque()  # lazily timed steps
         self._window: list[float] = []
-        # progress, read by the heartbeat thread
-        self._seq = itertools.count(1)
+        # progress, read by the heartbeat
         self.collective_sequence = 0
         self.last_step = 0
         self.last_step_wall = 0.0
         self.phase_idx = OTHER
         self.phase_since = time.perf_counter_ns()
-        # inside a collective: DDP buckets entered (autograd thread) vs completed (communication
-        # threads, through an atomic counter), and blocking wrapped collectives (caller's thread)
-        self._ddp_in = 0
-        self._ddp_out = itertools.count(1)
-        self._ddp_out_n = 0
-        self._coll_in = 0
         self.sync_since = 0
+        self._ddp_in = self._ddp_out = 0  # DDP gradient syncs begun / ended
+        self._coll_in = 0                # blocking wrapped collectives under way
         self._stop = threading.Event()
-        self._heartbeat = None
-        if heartbeat_seconds > 0:
-            self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(heartbeat_seconds,),
-                                               name="syncwatch-heartbeat", daemon=True)
-            self._heartbeat.start()
+        self._thread = threading.Thread(target=self._run, args=(flush_seconds, heartbeat_seconds),
+                                        name="syncwatch-records", daemon=True)
+        self._thread.start()
 
-    # ------------------------------------------------------------------ training-thread API
+    # ------------------------------------------------------------------ hot path
 
     def phase(self, name: str) -> _Phase:
         """A context manager timing phase ``name`` (one reusable object per name: no allocation)."""
         p = self._phases.get(name)
-        if p is None or p.active:  # first use of a custom name, or the same phase nested
+        if p is None:  # first use of a custom name
             p = _Phase(self, PHASE_INDEX.get(name, OTHER))
             if len(self._phases) < 64:
-                self._phases.setdefault(name, p)
+                self._phases[name] = p
         return p
 
     def step(self, samples: float = 0.0, tokens: float | None = None, step: int | None = None) -> None:
         """End the current step. ``step``: the job's own step number (default: previous + 1)."""
         try:
-            end = self._mark()
-            wall = time.time()
-            if self._ddp_ready is not None:
-                self._close_ddp()
-            if step is None:
-                number = self.last_step + 1
-            else:
-                number = int(step)
-                if number <= self.last_step:
-                    self._new_attempt(number)
-            if tokens is not None:
-                self._has_tokens = True
-            rec = (number, wall, self._step_start, end, self._spans, self._sync, self._grad,
-                   float(samples) if samples > 0 else 0.0,
-                   float(tokens) if tokens is not None and tokens > 0 else 0.0,
-                   self.collective_sequence, self.encoder)
-            self._spans, self._sync, self._grad = [], [], None
-            self._step_start = end
-            self.last_step, self.last_step_wall = number, wall
-            if self._lazy:
-                self._pending.append(rec)
-                self._resolve()
-            else:
-                self._emit(rec)
+            self._put((STEP, self._mark(), time.time(), samples, tokens, step))
         except Exception:
             self._error()
-
-    # ------------------------------------------------------------------ collectives
-
-    def collective_entered(self) -> None:
-        self.collective_sequence = next(self._seq)
 
     def bucket_ready(self, collectives: int = 1) -> None:
         """Gradients are computed: a DDP bucket's hook entry (wrapper path, autograd thread), or
         all of backward's (hook-free path: its first final callback), launching ``collectives``
         all-reduces."""
         try:
-            for _ in range(collectives):
-                self.collective_sequence = next(self._seq)
-            self._ddp_ready = ready = self._mark()
-            if not self.in_sync():
-                self.sync_since = ready if not self._lazy else time.perf_counter_ns()
-            self._ddp_in += 1
+            self._put((READY, self._mark(), collectives))
         except Exception:
             self._error()
 
@@ -193,8 +165,7 @@ class Monitor:
         """The bucket's collective finished (wrapper path, communication thread), or all of them
         (hook-free path: the final callback queued after DDP's finalize)."""
         try:
-            self._ddp_done = self._mark()
-            self._ddp_out_n = next(self._ddp_out)
+            self._put((DONE, self._mark()))
         except Exception:
             self._error()
 
@@ -203,45 +174,136 @@ class Monitor:
         self.bucket_done()
         return fut.value()
 
-    def in_sync(self) -> bool:
-        return self._coll_in > 0 or self._ddp_in > self._ddp_out_n
-
-    def _close_ddp(self) -> None:
-        """Turn the last bucket's ready..done into the step's gradient wait."""
-        ready, done = self._ddp_ready, self._ddp_done
-        if ready is not None and done is not None:
-            self._ddp_ready = self._ddp_done = None
-            self._grad = (ready, done)
-            self._sync.append(self._grad)
-
     def timed_collective(self, fn, args, kwargs, async_index: int):
         """Run a collective, timing a blocking one's wait as ``sync``. Its errors are the caller's.
 
         An ``async_op=True`` call is counted but not timed: its wait happens where the caller
         waits on the returned work."""
-        start = None
+        timed = False
         try:
-            self.collective_sequence = next(self._seq)
-            if not (kwargs.get("async_op") or (len(args) > async_index and args[async_index])):
-                start = self.clock.mark()
-                if not self.in_sync():
-                    self.sync_since = time.perf_counter_ns()
-                self._coll_in += 1
+            if kwargs.get("async_op") or (len(args) > async_index and args[async_index]):
+                self._put(_SEQ_ENTRY)
+            else:
+                self._put((COLL, self._mark()))
+                timed = True
         except Exception:
             self._error()
-            start = None
-        if start is None:
+        if not timed:
             return fn(*args, **kwargs)
         try:
             return fn(*args, **kwargs)
         finally:
             try:
-                self._coll_in -= 1
-                self._sync.append((start, self.clock.mark()))
+                self._put((COLL_END, self._mark()))
             except Exception:
                 self._error()
 
-    # ------------------------------------------------------------------ records
+    # ------------------------------------------------------------------ replay (records thread)
+
+    def flush(self) -> None:
+        """Replay the entries so far and send the records that are ready. The records thread
+        calls it every ``flush_seconds``; tests and shutdown call it to be sure."""
+        with self._lock:
+            entries = self._entries
+            if len(entries) >= MAX_ENTRIES:  # the records thread fell behind: the oldest are gone
+                self._error()
+            host = time.perf_counter_ns()  # lazy marks are events: "now" is the host time
+            while entries:
+                try:
+                    self._replay(entries.popleft(), host)
+                except Exception:
+                    self._error()
+            if self._pending:
+                self._resolve()
+
+    def _replay(self, e, host) -> None:
+        code = e[0]
+        if not self._lazy and code != SEQ:
+            host = e[1]
+        if code < EXIT:  # a phase starts
+            self._stack.append((code, e[1], len(self._sync), host))
+            self.phase_idx, self.phase_since = code, host
+        elif code < STEP:  # a phase ends
+            self._end_phase(code - EXIT, e[1], host)
+        elif code == READY:
+            self.collective_sequence += e[2]
+            self._ready = e[1]
+            self._sync_begins(host)
+            self._ddp_in += 1
+        elif code == DONE:
+            self._done = e[1]
+            self._ddp_out += 1
+        elif code == COLL:
+            self.collective_sequence += 1
+            self._sync_begins(host)
+            self._coll_in += 1
+            self._colls.append(e[1])
+        elif code == COLL_END:
+            self._coll_in -= 1
+            if self._colls:
+                self._sync.append((self._colls.pop(), e[1]))
+        elif code == SEQ:
+            self.collective_sequence += 1
+        elif code == STEP:
+            self._end_step(e, host)
+
+    def _sync_begins(self, host) -> None:
+        if not self.in_sync():
+            self.sync_since = host
+
+    def in_sync(self) -> bool:
+        return self._coll_in > 0 or self._ddp_in > self._ddp_out
+
+    def _close_ddp(self) -> None:
+        """Turn the last bucket's ready..done into the step's gradient wait."""
+        ready, done = self._ready, self._done
+        if ready is not None and done is not None:
+            self._ready = self._done = None
+            self._grad = (ready, done)
+            self._sync.append(self._grad)
+
+    def _end_phase(self, idx: int, end, host) -> None:
+        self._close_ddp()
+        stack = self._stack
+        for k in range(len(stack) - 1, -1, -1):
+            if stack[k][0] == idx:
+                break
+        else:
+            return  # its start was lost (counted where it failed)
+        _, start, lo, _ = stack[k]
+        del stack[k:]
+        self._spans.append((idx, start, end, lo, len(self._sync)))
+        if idx == CHECKPOINT:
+            self.totals.checkpoints += 1
+        if stack:
+            self.phase_idx, self.phase_since = stack[-1][0], stack[-1][3]
+        else:
+            self.phase_idx, self.phase_since = OTHER, host
+
+    def _end_step(self, e, host) -> None:
+        _, end, wall, samples, tokens, number = e
+        self._close_ddp()
+        if number is None:
+            number = self.last_step + 1
+        else:
+            number = int(number)
+            if number <= self.last_step:
+                self._new_attempt(number)
+        if tokens is not None:
+            self._has_tokens = True
+        rec = (number, wall, self._step_start, end, self._spans, self._sync, self._grad,
+               float(samples) if samples > 0 else 0.0,
+               float(tokens) if tokens is not None and tokens > 0 else 0.0,
+               self.collective_sequence, self.encoder)
+        self._spans, self._sync, self._grad = [], [], None
+        self._step_start = end
+        self.last_step, self.last_step_wall = number, wall
+        if not self._stack:
+            self.phase_since = host
+        if self._lazy:
+            self._pending.append(rec)
+        else:
+            self._emit(rec)
 
     def _resolve(self) -> None:
         """Emit the lazily timed steps whose events the device has passed, oldest first."""
@@ -346,24 +408,34 @@ class Monitor:
     # ------------------------------------------------------------------ heartbeat, shutdown
 
     def heartbeat(self) -> None:
+        """Send liveness, the current phase and the time in it (call after ``flush()``)."""
         try:
             now = time.perf_counter_ns()
             if self.in_sync():
                 idx, since = SYNC, self.sync_since
             else:
                 idx, since = self.phase_idx, self.phase_since
-            phase = _PHASE_NAMES[idx]
             self.sender.send(self.encoder.heartbeat(
-                time.time(), self.last_step, self.last_step_wall, phase,
+                time.time(), self.last_step, self.last_step_wall, _PHASE_NAMES[idx],
                 max(now - since, 0) * 1e-9, self.collective_sequence, self.sender.dropped,
                 self.errors))
         except Exception:
             self._error()
 
-    def _heartbeat_loop(self, interval: float) -> None:
-        self.heartbeat()
-        while not self._stop.wait(interval):
-            self.heartbeat()
+    def _run(self, flush_seconds: float, heartbeat_seconds: float) -> None:
+        """The records thread: replay and send every ``flush_seconds``, heartbeat on its own
+        period (0: none). Nothing it calls blocks: sends are non-blocking, the exchange has its
+        own thread, CUDA events are only queried."""
+        interval = min(flush_seconds, heartbeat_seconds) if heartbeat_seconds > 0 else flush_seconds
+        next_beat = time.monotonic() if heartbeat_seconds > 0 else float("inf")
+        while True:
+            self.flush()
+            now = time.monotonic()
+            if now >= next_beat:
+                self.heartbeat()
+                next_beat = now + heartbeat_seconds
+            if self._stop.wait(interval):
+                return
 
     def shutdown(self, reason: str = "completed", timeout: float = 2.0) -> None:
         """Flush what can be flushed within ``timeout`` s, send the end record, stop threads."""
@@ -371,27 +443,28 @@ class Monitor:
             return
         self.closed = True
         try:
-            self._stop.set()
             end = time.monotonic() + timeout
+            self._stop.set()
+            self._thread.join(min(timeout, 0.5))
+            self.flush()
             while self._pending and time.monotonic() < end:
-                self._resolve()
-                if self._pending:
-                    time.sleep(0.005)
+                time.sleep(0.005)
+                self.flush()
             if self.exchange is not None:
                 self.exchange.drain(max(end - time.monotonic(), 0.0))
                 self.exchange.stop(0.1)
             self.sender.send(self.encoder.end(time.time(), self.last_step, reason))
             self.sender.flush(0.5)
-            if self._heartbeat is not None:
-                self._heartbeat.join(0.5)
         except Exception:
             self._error()
         finally:
             self.sender.close()
 
     def _error(self) -> None:
-        self.errors += 1
-        if self.errors == 1:
+        with self._errors_lock:  # the hot path's threads and the records thread all count
+            self.errors += 1
+            first = self.errors == 1
+        if first:
             log.warning("syncwatch: internal error (counted, training continues)", exc_info=True)
 
 
