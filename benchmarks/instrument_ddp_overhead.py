@@ -52,6 +52,7 @@ def rank_main(a):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -73,7 +74,7 @@ def rank_main(a):
         sw.shutdown()
     phase, end_step = sw.phase, sw.step
     if a.arm == "hook-only":
-        phase, end_step = (lambda name: sw._NULL), (lambda samples: None)
+        phase, end_step = (lambda name: _state.NULL), (lambda samples: None)
     x = torch.randn(a.batch, a.hidden)
     y = torch.randn(a.batch, a.hidden)
 

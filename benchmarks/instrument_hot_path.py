@@ -18,6 +18,7 @@ script that registers its own hook adds per bucket.
 
 import argparse
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -41,6 +42,8 @@ from syncwatch.sender import Sender  # noqa: E402
 PHASES = ("data", "forward", "backward", "optimizer", "checkpoint", "eval")
 READER = "import socket,sys\ns=socket.socket(socket.AF_UNIX,socket.SOCK_DGRAM)\ns.bind(sys.argv[1])\n" \
          "print('ready',flush=True)\nwhile True: s.recv(4096)\n"
+ARMS = ("base", "noop", "calls", "full")
+BLOCK = 500  # steps between swaps of the two models' roles (watched / plain)
 
 
 def make_model(find_unused: bool, hidden: int):
@@ -49,33 +52,65 @@ def make_model(find_unused: bool, hidden: int):
                find_unused_parameters=find_unused)
 
 
-def one_step(model, x) -> int:
-    t0 = time.perf_counter_ns()
-    for name in PHASES:
-        with sw.phase(name):
-            pass
-    model(x).sum().backward()
+def clocks() -> tuple[int, int]:
+    return time.perf_counter_ns(), time.thread_time_ns()
+
+
+def plain_step(model, x) -> tuple[int, int]:
+    """The training step without syncwatch: the baseline."""
+    w, c = clocks()
+    out = model(x)
+    out.sum().backward()
+    w1, c1 = clocks()
+    return w1 - w, c1 - c
+
+
+def one_step(model, x) -> tuple[int, int]:
+    """The same step inside six phases, ended by ``step()``."""
+    w, c = clocks()
+    with sw.phase("data"):
+        pass
+    with sw.phase("forward"):
+        out = model(x)
+    with sw.phase("backward"):
+        out.sum().backward()
+    with sw.phase("optimizer"):
+        pass
+    with sw.phase("checkpoint"):
+        pass
+    with sw.phase("eval"):
+        pass
     sw.step(32)
-    return time.perf_counter_ns() - t0
+    w1, c1 = clocks()
+    return w1 - w, c1 - c
 
 
-def measure(n: int, path: str, plain, watched, x) -> tuple[float, float, float]:
-    """Median step times in us: baseline, instrumented with the unwatched model, fully
-    instrumented."""
+def measure(n: int, path: str, models, x) -> dict:
+    """Per arm, median (wall, CPU) step times in us. Arms: no syncwatch calls; the calls with
+    nothing initialized (no-op); instrumented, model not watched; fully instrumented. The two
+    models swap roles (watched / plain) every BLOCK steps, so that their own difference (memory
+    placement, of the order of the gradient wait's cost) cancels."""
     ident = Identity("bench", 0, 0, 0, 4, "n1", os.getpid())
     monitor = Monitor(ident, Sender(path), heartbeat_seconds=5.0)
-    base, calls, full = [], [], []
-    for _ in range(n):
-        _state.monitor = None
-        base.append(one_step(plain, x))
-        _state.monitor = monitor
-        calls.append(one_step(plain, x))
-        full.append(one_step(watched, x))
-    _state.monitor = None
+    arms = {arm: [] for arm in ARMS}
+    rng = random.Random(0)
+    for block in range(max(n // BLOCK, 2)):
+        watched, plain = models[block % 2], models[1 - block % 2]
+        handle = watch_gradients(watched)
+        for i in range(BLOCK + 5):  # the first few after a swap warm up and read DDP's buckets
+            for arm in rng.sample(ARMS, len(ARMS)):  # in random order: no position effects
+                _state.set_monitor(None if arm in ("base", "noop") else monitor)
+                t = plain_step(plain, x) if arm == "base" else one_step(
+                    watched if arm == "full" else plain, x)
+                if i >= 5:
+                    arms[arm].append(t)
+        handle.remove()
+    _state.set_monitor(None)
     monitor.flush()
     assert monitor.collective_sequence >= n, "the gradient wait was not measured"  # per bucket
     monitor.shutdown()
-    return tuple(statistics.median(v) / 1000 for v in (base, calls, full))
+    return {arm: tuple(statistics.median(t[k] for t in v) / 1000 for k in (0, 1))
+            for arm, v in arms.items()}
 
 
 def inner_hook(state, bucket):
@@ -89,7 +124,7 @@ def wrapper_cost(n: int, path: str, rounds: int = 5) -> tuple[float, float]:
     wrapped = ddp_hook_wrapper(inner_hook)
     monitor = Monitor(Identity("bench", 0, 0, 0, 4, "n1", os.getpid()), Sender(path),
                       heartbeat_seconds=0)
-    _state.monitor = monitor
+    _state.set_monitor(monitor)
     base, inst = [], []
     for _ in range(rounds):
         for hook, out in ((inner_hook, base), (wrapped, inst)):
@@ -97,7 +132,7 @@ def wrapper_cost(n: int, path: str, rounds: int = 5) -> tuple[float, float]:
             for _ in range(n):
                 hook(None, bucket).wait()
             out.append((time.perf_counter_ns() - t0) / n / 1000)
-    _state.monitor = None
+    _state.set_monitor(None)
     monitor.shutdown()
     return min(base), min(inst)
 
@@ -114,11 +149,11 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    plain, watched = make_model(a.find_unused, a.hidden), make_model(a.find_unused, a.hidden)
+    models = make_model(a.find_unused, a.hidden), make_model(a.find_unused, a.hidden)
     x = torch.randn(a.batch, a.hidden)
-    watch_gradients(watched)
-    print(f"hooked parameters: {sum(bool(p._post_accumulate_grad_hooks) for p in watched.parameters())}"
-          f" of 8; load average {os.getloadavg()[0]:.1f}")
+    with watch_gradients(models[0]):
+        hooked = sum(bool(p._post_accumulate_grad_hooks) for p in models[0].parameters())
+    print(f"hooked parameters: {hooked} of 8; load average {os.getloadavg()[0]:.1f}")
     d = tempfile.mkdtemp(prefix="swb-")
     live = os.path.join(d, "live.sock")
     reader = subprocess.Popen([sys.executable, "-c", READER, live], stdout=subprocess.PIPE)
@@ -126,10 +161,13 @@ def main():
     try:
         for label, path in (("daemon present (reader process)", live),
                             ("daemon absent", os.path.join(d, "absent.sock"))):
-            base, calls, full = measure(a.steps, path, plain, watched, x)
-            print(f"{label}: baseline {base:.2f} us/step, instrumented {full:.2f} us/step: cost "
-                  f"{full - base:.2f} us/step, of which 6 phases + step record {calls - base:.2f}, "
-                  f"hook-free gradient wait {full - calls:.2f}")
+            r = measure(a.steps, path, models, x)
+            for k, clock in ((0, "wall"), (1, "thread CPU")):
+                base, noop, calls, full = (r[arm][k] for arm in ("base", "noop", "calls", "full"))
+                print(f"{label}, {clock}: baseline {base:.2f} us/step, instrumented {full:.2f}: "
+                      f"cost {full - base:.2f} us/step, of which 6 phases + step() "
+                      f"{calls - base:.2f} (the same calls not initialized: {noop - base:.2f}), "
+                      f"hook-free gradient wait {full - calls:.2f}")
         base, inst = wrapper_cost(2 * a.steps, os.path.join(d, "absent.sock"))
         print(f"ddp_hook_wrapper around a trivial comm hook: {base:.2f} -> {inst:.2f} us per "
               f"bucket (+{inst - base:.2f} us)")

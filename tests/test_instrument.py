@@ -422,7 +422,7 @@ def test_ddp_hook_wrapper_times_buckets_and_passes_through_when_detached(rx):
     enabled = [True]
     hook = ddp_hook_wrapper(user_hook, enabled)
     m = make_monitor(rx)
-    _state.monitor = m
+    _state.set_monitor(m)
     try:
         out = hook(2.0, torch.ones(3)).wait()
         assert torch.equal(out, torch.full((3,), 2.0))          # the user's hook's result
@@ -433,7 +433,7 @@ def test_ddp_hook_wrapper_times_buckets_and_passes_through_when_detached(rx):
         m.flush()
         assert m.collective_sequence == 1
     finally:
-        _state.monitor = None
+        _state.set_monitor(None)
         m.shutdown()
 
 
@@ -480,7 +480,7 @@ def test_default_ddp_path_registers_no_comm_hook_and_waits_for_the_collectives(r
     import syncwatch.instrument as sw
     from syncwatch.instrument import _state
     m = make_monitor(rx)
-    _state.monitor = m
+    _state.set_monitor(m)
     try:
         ddp = make_ddp(torch, frozen_first=True)
         sw.register(ddp, collectives=False)
@@ -505,7 +505,7 @@ def test_default_ddp_path_registers_no_comm_hook_and_waits_for_the_collectives(r
         assert phase(r3, "backward") < 0.05   # the wait is not backward compute
         assert r3.totals.internal_errors == 0
     finally:
-        _state.monitor = None
+        _state.set_monitor(None)
         m.shutdown()
 
 
@@ -527,7 +527,7 @@ def test_with_unused_parameters_allowed_the_first_8_are_watched(rx, ddp_world1):
             return self.layers(x if skip else self.skipped(x))
 
     m = make_monitor(rx)
-    _state.monitor = m
+    _state.set_monitor(m)
     try:
         torch.manual_seed(0)
         ddp = torch.nn.parallel.DistributedDataParallel(Branchy(), find_unused_parameters=True)
@@ -542,7 +542,7 @@ def test_with_unused_parameters_allowed_the_first_8_are_watched(rx, ddp_world1):
         assert r1.wait_seconds > 0 and r1.collective_sequence == 1
         assert r2.wait_seconds > 0 and r2.collective_sequence == 2  # self.skipped got no gradient
     finally:
-        _state.monitor = None
+        _state.set_monitor(None)
         m.shutdown()
 
 
@@ -551,7 +551,7 @@ def test_removed_handle_detaches_the_gradient_hooks(rx, ddp_world1):
     import syncwatch.instrument as sw
     from syncwatch.instrument import _state
     m = make_monitor(rx)
-    _state.monitor = m
+    _state.set_monitor(m)
     try:
         ddp = make_ddp(torch)
         handle = sw.register(ddp, collectives=False)
@@ -568,7 +568,7 @@ def test_removed_handle_detaches_the_gradient_hooks(rx, ddp_world1):
         assert steps(rx, 3)[2].collective_sequence == 2
         again.remove()
     finally:
-        _state.monitor = None
+        _state.set_monitor(None)
         m.shutdown()
 
 
@@ -577,12 +577,12 @@ def test_register_refuses_a_model_that_is_not_ddp(rx, caplog):
     import syncwatch.instrument as sw
     from syncwatch.instrument import _state
     m = make_monitor(rx)
-    _state.monitor = m
+    _state.set_monitor(m)
     try:
         model = torch.nn.Linear(2, 2)
         sw.register(model, collectives=False)
         assert not model.weight._post_accumulate_grad_hooks
         assert m.errors == 1 and "could not register" in caplog.text
     finally:
-        _state.monitor = None
+        _state.set_monitor(None)
         m.shutdown()

@@ -25,10 +25,11 @@ import atexit
 import logging
 import os
 import sys
+import time
 
 from . import _state
 from .hooks import Handle, ddp_hook_wrapper
-from .monitor import Monitor
+from .monitor import STEP, Monitor
 
 __all__ = ["init", "phase", "step", "shutdown", "register", "ddp_hook_wrapper", "Handle",
            "Monitor", "current"]
@@ -39,18 +40,9 @@ DEFAULT_EXCHANGE_EVERY = 50
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 
 
-class _Null:
-    """The phase context when nothing is initialized."""
-    __slots__ = ()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL = _Null()
+phase = _state.phases.__getitem__
+"""``phase(name)``: the context manager timing phase ``name``: data, forward, backward, optimizer,
+checkpoint (any other name: ``other``). A dict lookup in C (see ``_state.Phases``)."""
 _failed = False
 
 
@@ -58,20 +50,14 @@ def current() -> Monitor | None:
     return _state.monitor
 
 
-def phase(name: str):
-    """Time a phase: data, forward, backward, optimizer, checkpoint (any other name: ``other``)."""
-    m = _state.monitor
-    if m is None:
-        return _NULL
-    p = m._phases.get(name)  # the common case, without a second call
-    return p if p is not None else m.phase(name)
-
-
 def step(samples: float = 0, tokens: float | None = None, step: int | None = None) -> None:
     """End a step that processed ``samples`` (and ``tokens``); ``step`` = the job's step number."""
     m = _state.monitor
-    if m is not None:
-        m.step(samples, tokens, step)
+    if m is not None:  # Monitor.step inlined: one Python frame less per step (~1-3 us cold)
+        try:
+            m._put((STEP, m._mark(), time.time(), samples, tokens, step))
+        except Exception:
+            m._error()
 
 
 def _env_number(name: str, conv, default):
@@ -146,7 +132,7 @@ def _init(job, attempt, node, exchange_every, heartbeat_seconds, socket, udp, de
     monitor = Monitor(ident, sender or Sender(path=socket, udp=udp), clock=clock,
                       exchange=exchange, exchange_every=exchange_every,
                       heartbeat_seconds=heartbeat_seconds)
-    _state.monitor = monitor
+    _state.set_monitor(monitor)
     _guard_destroy(dist)
     atexit.register(_at_exit)
     _hook_excepthook()
@@ -223,5 +209,5 @@ def shutdown(reason: str = "completed") -> None:
     m = _state.monitor
     if m is None:
         return
-    _state.monitor = None
+    _state.set_monitor(None)
     m.shutdown(reason)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 
 from . import _state
+from .monitor import READY
 
 # collective -> position of its ``async_op`` parameter
 COLLECTIVES = {"all_reduce": 3, "reduce_scatter": 4, "reduce_scatter_tensor": 4, "all_gather": 3,
@@ -100,12 +101,11 @@ def watch_gradients(model) -> Handle:
             return
         try:
             queue(m.bucket_done)  # runs after DDP's finalize_backward, queued meanwhile
+            if buckets[1] < BUCKET_COUNT_READS:
+                buckets[0], buckets[1] = _bucket_count(model), buckets[1] + 1
+            m._put((READY, m._mark(), buckets[0]))  # m.bucket_ready inlined: a frame less
         except Exception:
             m._error()
-            return
-        if buckets[1] < BUCKET_COUNT_READS:
-            buckets[0], buckets[1] = _bucket_count(model), buckets[1] + 1
-        m.bucket_ready(buckets[0])
 
     def gradient_accumulated(param):
         m = _state.monitor

@@ -31,6 +31,7 @@ import time
 
 from ..protocol import PHASE_INDEX, Cumulative, Encoder, Identity
 from ..skew import SkewAccumulator
+from ._state import CUSTOM_PHASES
 from .clock import HostClock
 
 log = logging.getLogger("syncwatch.instrument")
@@ -141,7 +142,7 @@ class Monitor:
         p = self._phases.get(name)
         if p is None:  # first use of a custom name
             p = _Phase(self, PHASE_INDEX.get(name, OTHER))
-            if len(self._phases) < 64:
+            if len(self._phases) < len(PHASE_INDEX) + CUSTOM_PHASES:
                 self._phases[name] = p
         return p
 
