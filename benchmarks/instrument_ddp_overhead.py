@@ -1,13 +1,15 @@
 """End-to-end overhead of the instrumentation on a 4-rank CPU DDP loop, and the skew exchange.
 
     python benchmarks/instrument_ddp_overhead.py [--world 4] [--pairs 150] [--block-steps 4] \
-        [--arm full|same|hook-only|calls-only|python-hook]
+        [--arm full|same|hook-only|calls-only]
 
 Same processes, same run: every rank holds two identical DDP models, one plain (DDP's built-in
 all-reduce, no syncwatch calls) and one "instrumented" (``--arm full``: ``register``, i.e. the
 hook-free gradient wait and the collective wrappers, six phases, ``step``, exact skew exchange
-every K = 50 steps; ``--arm same``: a second plain model, the A/A check that shows the method's
-own noise floor; the other arms split syncwatch into its parts).
+every K = 50 steps; ``--arm same``: no syncwatch either, the A/A check that shows the method's
+own noise floor; the other arms split syncwatch into its parts). The two models swap roles
+every ``--swap`` pairs, so that a difference between the two instances themselves (memory
+placement: ~1 % in an A/A run without swapping) cancels.
 
 Method, and why. On a shared 2-core VM running 4 ranks, the wall time of a block of steps
 drifts by several percent with other jobs, so a total wall ratio cannot resolve 0.5 %. So:
@@ -22,10 +24,10 @@ drifts by several percent with other jobs, so a total wall ratio cannot resolve 
   disturb it far less than wall time) and the whole process's CPU time (``process_time``:
   adds gloo's threads and syncwatch's exchange and heartbeat threads; an exchange still
   running when its block ends is charged to the next block, whichever arm).
-* Per pair the ratio instrumented / plain; reported: the median of the pair ratios over all
-  ranks, with a 95 % bootstrap interval of that median (pairs resampled, 2000 times). The
-  ``same`` arm run the same way gives the noise floor: an effect is resolved only where the
-  ``full`` interval clears the A/A one.
+* Per pair the difference instrumented - plain; reported: its mean over all ranks' pairs, per
+  step and as a fraction of the plain step, with a 95 % bootstrap interval (pairs resampled,
+  2000 times). The ``same`` arm run the same way gives the method's noise floor: an effect is
+  resolved only where the ``full`` interval clears it.
 
 Rank 0 also prints the exchange's latency (in its own thread) and the training thread's step
 time with and without an exchange in flight.
@@ -60,16 +62,14 @@ def rank_main(a):
 
     def make():
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(a.hidden, a.hidden), nn.ReLU(), nn.Linear(a.hidden, a.hidden))
-    plain, inst = DDP(make()), DDP(make())
-    opt_p = torch.optim.SGD(plain.parameters(), lr=0.01)
-    opt_i = torch.optim.SGD(inst.parameters(), lr=0.01)
+        model = DDP(nn.Sequential(nn.Linear(a.hidden, a.hidden), nn.ReLU(),
+                                  nn.Linear(a.hidden, a.hidden)))
+        return model, torch.optim.SGD(model.parameters(), lr=0.01)
+    models = make(), make()
     m = sw.init(exchange_every=a.k if a.arm == "full" else 0, job="bench")
-    if a.arm in ("full", "hook-only"):
-        sw.register(inst)
-    elif a.arm == "python-hook":
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        inst.register_comm_hook(None, allreduce_hook)
+    watch = a.arm in ("full", "hook-only")
+    if watch:
+        sw.register(collectives=True)
     if a.arm not in ("full", "hook-only", "calls-only"):
         sw.shutdown()
     phase, end_step = sw.phase, sw.step
@@ -77,96 +77,111 @@ def rank_main(a):
         phase, end_step = (lambda name: _state.NULL), (lambda samples: None)
     x = torch.randn(a.batch, a.hidden)
     y = torch.randn(a.batch, a.hidden)
+    step_times = {"plain": {True: [], False: []}, "inst": {True: [], False: []}}
 
-    def plain_step():
-        loss = nn.functional.mse_loss(plain(x), y)
-        opt_p.zero_grad()
+    def in_flight():  # a skew exchange runs meanwhile
+        return m.exchange.in_flight() if m is not None and m.exchange else False
+
+    def plain_step(model, opt):
+        busy, t0 = in_flight(), time.perf_counter()
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
         loss.backward()
-        opt_p.step()
+        opt.step()
+        step_times["plain"][busy].append(time.perf_counter() - t0)
 
-    step_times = {True: [], False: []}
-
-    def inst_step():
-        busy = m.exchange.in_flight() if m.exchange else False  # an exchange runs meanwhile
-        t0 = time.perf_counter()
+    def inst_step(model, opt):
+        busy, t0 = in_flight(), time.perf_counter()
         with phase("data"):
             pass
         with phase("forward"):
-            loss = nn.functional.mse_loss(inst(x), y)
+            loss = nn.functional.mse_loss(model(x), y)
         with phase("backward"):
-            opt_i.zero_grad()
+            opt.zero_grad()
             loss.backward()
         with phase("optimizer"):
-            opt_i.step()
+            opt.step()
         with phase("checkpoint"):
             pass
         with phase("eval"):
             pass
         end_step(a.batch)
-        step_times[busy].append(time.perf_counter() - t0)
+        step_times["inst"][busy].append(time.perf_counter() - t0)
 
+    role, handle = 0, None  # models[role] is the instrumented one
+
+    def swap_roles():
+        nonlocal role, handle
+        role = 1 - role
+        if watch:
+            if handle is not None:
+                handle.remove()
+            handle = sw.register(models[role][0], collectives=False)
+
+    swap_roles()
     for _ in range(5):  # warm-up (DDP rebuilds buckets after the first iteration)
-        plain_step()
-        inst_step()
+        for r in (0, 1):
+            swap_roles()
+            inst_step(*models[role])
+            plain_step(*models[1 - role])
     rng = random.Random(a.seed)  # the same order on every rank
     clocks = (time.perf_counter, time.thread_time, time.process_time)
-    ratios = [[] for _ in clocks]  # per pair: instrumented / plain, for each clock
-    totals = {"plain": [0.0] * 3, "inst": [0.0] * 3}
-    for _ in range(a.pairs):
+    pairs = []  # per pair: (plain, instrumented) block time for each clock
+    for i in range(a.pairs):
+        if i % a.swap == 0:
+            swap_roles()
         spent = {}
         for arm in rng.sample(("plain", "inst"), 2):
-            fn = inst_step if arm == "inst" else plain_step
+            fn, model = (inst_step, models[role]) if arm == "inst" else (plain_step, models[1 - role])
             dist.barrier()
             t0 = [c() for c in clocks]
             for _ in range(a.block_steps):
-                fn()
+                fn(*model)
             spent[arm] = [c() - t for c, t in zip(clocks, t0)]
-            totals[arm] = [x + y for x, y in zip(totals[arm], spent[arm])]
-        for r, p, i in zip(ratios, spent["plain"], spent["inst"]):
-            r.append(i / p)
+        pairs.append(tuple(zip(spent["plain"], spent["inst"])))
     ex = m.exchange
     if ex:
         ex.drain(5)
     elif a.arm != "full":
         ex = None
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, ratios)
+    dist.all_gather_object(gathered, pairs)
     if rank == 0:
         n = a.pairs * a.block_steps
         print(f"arm {a.arm}, world {dist.get_world_size()}, hidden {a.hidden}, batch {a.batch}, "
               f"{n} steps per arm in {a.pairs} pairs of {a.block_steps}-step blocks, "
               f"load average {os.getloadavg()[0]:.1f}")
-        print(f"rank 0 mean step: plain {totals['plain'][0] / n * 1e3:.3f} ms, instrumented "
-              f"{totals['inst'][0] / n * 1e3:.3f} ms; training-thread CPU "
-              f"{totals['plain'][1] / n * 1e3:.3f} / {totals['inst'][1] / n * 1e3:.3f} ms")
         rng = random.Random(1)
         for k, label in enumerate(("wall", "training-thread CPU", "process CPU")):
-            per_rank = [g[k] for g in gathered]
-            pooled = [r for rr in per_rank for r in rr]
-            med, lo, hi = median_interval(per_rank, rng)
-            ranks = " ".join(f"{statistics.median(rr):.4f}" for rr in per_rank)
-            print(f"{label:20s} ratio, median of {len(pooled)} pair ratios: {med:.4f} "
-                  f"(95 % bootstrap {lo:.4f}-{hi:.4f}); per rank {ranks}")
+            plain, diff, lo, hi = overhead(gathered, k, rng)
+            print(f"{label:20s} plain {plain / a.block_steps * 1e3:7.3f} ms/step, instrumented "
+                  f"{diff / a.block_steps * 1e6:+7.1f} us/step = {diff / plain * 100:+.2f} % "
+                  f"(95 % bootstrap {lo / plain * 100:+.2f} .. {hi / plain * 100:+.2f} %)")
         if ex: print(f"skew exchange (K={a.k}): {ex.windows_done} windows, "
               f"{ex.seconds / max(ex.windows_done, 1) * 1e3:.2f} ms each in its own thread, "
               f"payload 2 x {8 * a.k} bytes per rank")
-        busy, idle = step_times[True], step_times[False]
-        if busy:
-            print(f"training-thread step time with an exchange in flight: "
-                  f"{statistics.median(busy) * 1e3:.3f} ms median over {len(busy)} steps; "
-                  f"without: {statistics.median(idle) * 1e3:.3f} ms over {len(idle)} steps")
+        for arm in ("plain", "inst"):
+            busy, idle = step_times[arm][True], step_times[arm][False]
+            if busy:
+                print(f"rank 0 {arm} step time with an exchange in flight: "
+                      f"{statistics.median(busy) * 1e3:.3f} ms median over {len(busy)} steps; "
+                      f"without: {statistics.median(idle) * 1e3:.3f} ms over {len(idle)} steps")
     sw.shutdown()
     dist.destroy_process_group()
 
 
-def median_interval(per_rank, rng, resamples: int = 2000):
-    """Median of all ranks' pair ratios, and a 95 % bootstrap interval: pairs are resampled
-    together across ranks (a pair is one moment of the run, shared by all ranks)."""
-    pairs = list(zip(*per_rank))
-    pooled = [r for pair in pairs for r in pair]
-    meds = sorted(statistics.median([r for pair in rng.choices(pairs, k=len(pairs)) for r in pair])
-                  for _ in range(resamples))
-    return statistics.median(pooled), meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
+def overhead(gathered, k, rng, resamples: int = 2000):
+    """Clock ``k``: the mean plain block time, the mean instrumented - plain difference over all
+    ranks' pairs, and a 95 % bootstrap interval of that mean (pairs resampled together across
+    ranks: a pair is one moment of the run, shared by all ranks)."""
+    moments = list(zip(*gathered))  # per pair index: every rank's (plain, inst) per clock
+
+    def mean_diff(sample):
+        d = [r[k][1] - r[k][0] for moment in sample for r in moment]
+        return sum(d) / len(d)
+    plain = statistics.mean(r[k][0] for moment in moments for r in moment)
+    means = sorted(mean_diff(rng.choices(moments, k=len(moments))) for _ in range(resamples))
+    return plain, mean_diff(moments), means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
 
 def main():
@@ -178,11 +193,12 @@ def main():
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--k", type=int, default=50)
-    p.add_argument("--arm", choices=("full", "hook-only", "calls-only", "python-hook", "same"), default="full",
-                   help="what the second model gets: syncwatch (full), torch's Python allreduce "
-                        "hook only, or nothing (A/A check of the method); hook-only / calls-only "
-                        "split syncwatch into its gradient-wait measurement and its phase/step "
-                        "calls")
+    p.add_argument("--swap", type=int, default=10,
+                   help="pairs between swaps of the two models' roles (instrumented / plain)")
+    p.add_argument("--arm", choices=("full", "hook-only", "calls-only", "same"), default="full",
+                   help="what the instrumented model gets: syncwatch (full), or nothing (A/A "
+                        "check of the method); hook-only / calls-only split syncwatch into its "
+                        "gradient-wait measurement and its phase/step calls")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.rank_main:

@@ -230,6 +230,34 @@ def test_heartbeat_shows_a_rank_inside_a_collective(rx):
     assert in_sync[0].last_step_wall_time > 1e9
 
 
+def test_the_training_thread_only_queues_entries_the_records_thread_sends(rx):
+    m = make_monitor(rx, flush_seconds=60)  # the records thread flushes at start, then sleeps
+    with m.phase("forward"):
+        with m.phase("my-eval"):          # nested, a custom name: counted as other
+            time.sleep(0.01)
+        time.sleep(0.01)
+    m.step(8)
+    time.sleep(0.1)
+    assert m.sender.sent == 0 and len(m._entries) == 5  # nothing encoded or sent by step()
+    m.flush()
+    r = steps(rx, 1)[0]
+    assert 0.02 <= phase(r, "forward") < 0.04 and 0.01 <= phase(r, "other") < 0.02
+    assert r.totals.internal_errors == 0
+    m.shutdown()
+
+
+def test_a_records_thread_that_falls_behind_costs_bounded_memory(tmp_path):
+    from syncwatch.instrument.monitor import MAX_ENTRIES
+    m = Monitor(IDENT, Sender(str(tmp_path / "nobody.sock")), heartbeat_seconds=0,
+                flush_seconds=60)
+    for _ in range(MAX_ENTRIES + 10):
+        m.step(1)
+    assert len(m._entries) == MAX_ENTRIES  # the oldest entries went
+    m.flush()
+    assert m.errors == 1 and m.totals.steps == MAX_ENTRIES
+    m.shutdown()
+
+
 def test_daemon_absent_drops_and_counts(tmp_path):
     m = Monitor(IDENT, Sender(str(tmp_path / "nobody.sock")), heartbeat_seconds=0)
     for _ in range(5):

@@ -427,16 +427,16 @@ class Monitor:
         """The records thread: replay and send every ``flush_seconds``, heartbeat on its own
         period (0: none). Nothing it calls blocks: sends are non-blocking, the exchange has its
         own thread, CUDA events are only queried."""
-        interval = min(flush_seconds, heartbeat_seconds) if heartbeat_seconds > 0 else flush_seconds
-        next_beat = time.monotonic() if heartbeat_seconds > 0 else float("inf")
-        while True:
+        beats = heartbeat_seconds > 0
+        if beats:
+            self.heartbeat()  # alive from the start
+        interval = min(flush_seconds, heartbeat_seconds) if beats else flush_seconds
+        next_beat = time.monotonic() + heartbeat_seconds
+        while not self._stop.wait(interval):
             self.flush()
-            now = time.monotonic()
-            if now >= next_beat:
+            if beats and time.monotonic() >= next_beat:
                 self.heartbeat()
-                next_beat = now + heartbeat_seconds
-            if self._stop.wait(interval):
-                return
+                next_beat = time.monotonic() + heartbeat_seconds
 
     def shutdown(self, reason: str = "completed", timeout: float = 2.0) -> None:
         """Flush what can be flushed within ``timeout`` s, send the end record, stop threads."""
