@@ -2,18 +2,20 @@
 
     python benchmarks/instrument_hot_path.py [--steps 10000] [--find-unused] [--hidden 4 --batch 2]
 
-What is timed is what a training thread runs per step: six ``with phase(...)`` blocks, one
-backward through a small DDP model (one gloo rank in this process, 8 parameters; the hook-free
-path watches 1 of them, or all 8 with ``--find-unused``: DDP's ``find_unused_parameters=True``
-in both the plain and the watched model, the most the path hooks) and ``step()`` (resolve, encode, send). The baseline
-is the same step with the no-op API (not initialized) and an unwatched twin of the model; a third
-step, instrumented but with the unwatched model, splits the cost into the phases and record and
-the hook-free gradient wait (1 or 8 post-accumulate-grad hook calls, one of them queueing, and
-two autograd final callbacks). The three alternate and the medians of their per-step times are
-compared (the machine is shared: medians of interleaved steps ignore other jobs' bursts). The
-record goes to a Unix datagram socket read by another process (like the daemon), or to nobody
-(daemon absent). A last line times ``ddp_hook_wrapper`` around a trivial comm hook, the cost a
-script that registers its own hook adds per bucket.
+What is timed is what a training thread runs per step: a forward and a backward through a small
+DDP model (one gloo rank in this process, 8 parameters; the hook-free path watches 1 of them, or
+all 8 with ``--find-unused``: DDP's ``find_unused_parameters=True``, the most the path hooks)
+inside six ``with phase(...)`` blocks, and ``step()``. The records thread (replay, encoding,
+send) runs beside it, as in training. Four arms, in random order within each round: the step
+without any syncwatch call (the baseline), the same calls with nothing initialized (no-op), the
+calls initialized with an unwatched model (phases + step), and with the watched model (adds the
+hook-free gradient wait: a post-accumulate-grad hook call and two autograd final callbacks). The
+two model instances swap roles every 500 steps, so that their own difference (memory placement)
+cancels. Reported: medians of wall time and of this thread's CPU time (``thread_time``, which
+other processes' bursts do not land in). The record goes to a Unix datagram socket read by
+another process (like the daemon), or to nobody (daemon absent). Then: the phases and step in a
+hot loop (caches warm), and ``ddp_hook_wrapper`` around a trivial comm hook, the cost a script
+that registers its own hook adds per bucket.
 """
 
 import argparse
@@ -113,6 +115,28 @@ def measure(n: int, path: str, models, x) -> dict:
             for arm, v in arms.items()}
 
 
+def warm_cost(n: int, path: str, rounds: int = 5) -> float:
+    """Six phases and step() in a tight loop without backward (the interpreter's caches warm),
+    minus the same loop with nothing initialized: us per step, best of ``rounds``."""
+    monitor = Monitor(Identity("bench", 0, 0, 0, 4, "n1", os.getpid()), Sender(path),
+                      heartbeat_seconds=0)
+    best = {}
+    for m in (None, monitor) * rounds:
+        _state.set_monitor(m)
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            for name in PHASES:
+                with sw.phase(name):
+                    pass
+            sw.step(32)
+        per = (time.perf_counter_ns() - t0) / n / 1000
+        best[m is None] = min(best.get(m is None, per), per)
+        monitor.flush()
+    _state.set_monitor(None)
+    monitor.shutdown()
+    return best[False] - best[True]
+
+
 def inner_hook(state, bucket):
     fut = torch.futures.Future()
     fut.set_result(bucket)
@@ -168,6 +192,8 @@ def main():
                       f"cost {full - base:.2f} us/step, of which 6 phases + step() "
                       f"{calls - base:.2f} (the same calls not initialized: {noop - base:.2f}), "
                       f"hook-free gradient wait {full - calls:.2f}")
+        print(f"6 phases + step() in a hot loop, caches warm: {warm_cost(a.steps, live):.2f} us "
+              f"per step over the same calls not initialized")
         base, inst = wrapper_cost(2 * a.steps, os.path.join(d, "absent.sock"))
         print(f"ddp_hook_wrapper around a trivial comm hook: {base:.2f} -> {inst:.2f} us per "
               f"bucket (+{inst - base:.2f} us)")
