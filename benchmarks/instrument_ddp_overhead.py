@@ -1,13 +1,14 @@
 """End-to-end overhead of the instrumentation on a 4-rank CPU DDP loop, and the skew exchange.
 
     python benchmarks/instrument_ddp_overhead.py [--world 4] [--pairs 150] [--block-steps 4] \
-        [--arm full|same|hook-only|calls-only]
+        [--arm full|noop|same|hook-only|calls-only]
 
 Same processes, same run: every rank holds two identical DDP models, one plain (DDP's built-in
 all-reduce, no syncwatch calls) and one "instrumented" (``--arm full``: ``register``, i.e. the
 hook-free gradient wait and the collective wrappers, six phases, ``step``, exact skew exchange
-every K = 50 steps; ``--arm same``: no syncwatch either, the A/A check that shows the method's
-own noise floor; the other arms split syncwatch into its parts). The two models swap roles
+every K = 50 steps; ``--arm noop``: the same calls with nothing initialized; ``--arm same``: the
+plain step in both blocks, the A/A check that shows the method's own noise floor; the other
+arms split syncwatch into its parts). The two models swap roles
 every ``--swap`` pairs, so that a difference between the two instances themselves (memory
 placement: ~1 % in an A/A run without swapping) cancels.
 
@@ -133,6 +134,8 @@ def rank_main(a):
         spent = {}
         for arm in rng.sample(("plain", "inst"), 2):
             fn, model = (inst_step, models[role]) if arm == "inst" else (plain_step, models[1 - role])
+            if a.arm == "same":
+                fn = plain_step  # the A/A check: the very same code in both blocks
             dist.barrier()
             t0 = [c() for c in clocks]
             for _ in range(a.block_steps):
@@ -195,10 +198,12 @@ def main():
     p.add_argument("--k", type=int, default=50)
     p.add_argument("--swap", type=int, default=10,
                    help="pairs between swaps of the two models' roles (instrumented / plain)")
-    p.add_argument("--arm", choices=("full", "hook-only", "calls-only", "same"), default="full",
-                   help="what the instrumented model gets: syncwatch (full), or nothing (A/A "
-                        "check of the method); hook-only / calls-only split syncwatch into its "
-                        "gradient-wait measurement and its phase/step calls")
+    p.add_argument("--arm", choices=("full", "hook-only", "calls-only", "noop", "same"),
+                   default="full",
+                   help="what the instrumented model gets: syncwatch (full), the API calls with "
+                        "nothing initialized (noop), or nothing (same: A/A check of the method); "
+                        "hook-only / calls-only split syncwatch into its gradient-wait "
+                        "measurement and its phase/step calls")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.rank_main:
