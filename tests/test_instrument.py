@@ -346,6 +346,19 @@ def test_cuda_events_are_resolved_lazily_without_synchronize(rx):
     assert [r.step for r in rx.of(StepRecord)] == list(range(1, 24))
 
 
+def test_the_records_thread_binds_the_ranks_device_before_reading_events(rx):
+    import threading
+    dev = FakeStream()
+
+    class Clock(CudaEventClock):
+        def enter_thread(self):
+            self.bound = threading.current_thread().name
+    clock = Clock(lambda: FakeEvent(dev), device=3)
+    m = make_monitor(rx, clock=clock)
+    assert wait_for(lambda: getattr(clock, "bound", None) == "syncwatch-records")
+    m.shutdown()
+
+
 def test_cuda_steps_waiting_on_a_stuck_device_are_bounded(rx):
     dev = FakeStream()
     m = make_monitor(rx, clock=CudaEventClock(lambda: FakeEvent(dev)))
@@ -370,6 +383,24 @@ def test_cuda_event_clock_times_device_work():
         time.sleep(0.001)
     assert clock.elapsed(a, b) > 0.001
     assert ident_mod.cuda_uuid(0).startswith("GPU-")
+
+
+@pytest.mark.gpu
+def test_cuda_phases_are_timed_on_the_device_through_the_records_thread(rx):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gpu = torch.cuda.device_count() - 1
+    torch.cuda.set_device(gpu)
+    m = make_monitor(rx, clock=CudaEventClock(device=gpu))
+    for _ in range(3):
+        with m.phase("forward"):
+            torch.cuda._sleep(20_000_000)  # device work the host does not wait for
+        m.step(1)
+    recs = steps(rx, 3)
+    assert all(phase(r, "forward") > 0.002 for r in recs)  # device time, not launch time
+    assert m.errors == 0
+    m.shutdown()
 
 
 # --------------------------------------------------------------------------- identity, API, CLI

@@ -118,7 +118,7 @@ def _init(job, attempt, node, exchange_every, heartbeat_seconds, socket, udp, de
     ident = identity.resolve(rank=rank, world_size=world, job=job, attempt=attempt, node=node,
                              gpu=gpu, gpu_uuid=uuid)
     if clock is None:
-        clock = CudaEventClock() if device == "cuda" else HostClock()
+        clock = CudaEventClock(device=gpu) if device == "cuda" else HostClock()
     if exchange_every is None:
         exchange_every = _env_number("SYNCWATCH_SKEW_EVERY", int, DEFAULT_EXCHANGE_EVERY)
     if heartbeat_seconds is None:

@@ -23,6 +23,9 @@ class HostClock:
 
     mark = staticmethod(time.perf_counter_ns)
 
+    def enter_thread(self) -> None:
+        """Called first by a thread that reads marks it did not take (the records thread)."""
+
     @staticmethod
     def ready(mark) -> bool:
         return True
@@ -40,7 +43,7 @@ class CudaEventClock:
 
     lazy = True
 
-    def __init__(self, event_factory=None, pool_size: int = 512):
+    def __init__(self, event_factory=None, pool_size: int = 512, device: int | None = None):
         if event_factory is None:
             import torch
 
@@ -49,6 +52,15 @@ class CudaEventClock:
         self._factory = event_factory
         self._pool: list = []
         self._pool_size = pool_size
+        self._device = device
+
+    def enter_thread(self) -> None:
+        """Make the rank's GPU the calling thread's current device, as torch's pin-memory thread
+        does: a new thread starts on device 0, and the records thread queries and times the
+        events recorded on the training thread's device."""
+        if self._device is not None:
+            import torch
+            torch.cuda.set_device(self._device)
 
     def mark(self):
         try:

@@ -427,6 +427,10 @@ class Monitor:
         """The records thread: replay and send every ``flush_seconds``, heartbeat on its own
         period (0: none). Nothing it calls blocks: sends are non-blocking, the exchange has its
         own thread, CUDA events are only queried."""
+        try:
+            self.clock.enter_thread()
+        except Exception:
+            self._error()
         beats = heartbeat_seconds > 0
         if beats:
             self.heartbeat()  # alive from the start
