@@ -12,8 +12,6 @@ import time
 import urllib.request
 from collections import Counter
 
-import pytest
-
 from collector_helpers import FIXTURES, promtool_check
 from conftest import subprocess_env
 from daemon_helpers import scrape, scrape_text, value, wait_for

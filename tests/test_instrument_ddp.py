@@ -4,7 +4,6 @@ Each rank is a process started like torchrun starts them (RANK, WORLD_SIZE, MAST
 MASTER_PORT from a free port); ``tests/instrument/ddp_worker.py`` is the training script.
 """
 
-import os
 import signal
 import socket
 import subprocess

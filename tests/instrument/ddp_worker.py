@@ -32,7 +32,7 @@ def main():
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
     kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}

@@ -9,7 +9,6 @@ nothing from the network.
 from __future__ import annotations
 
 import json
-import math
 from datetime import datetime
 from html import escape
 from pathlib import Path
