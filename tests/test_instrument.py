@@ -258,6 +258,28 @@ def test_a_records_thread_that_falls_behind_costs_bounded_memory(tmp_path):
     m.shutdown()
 
 
+def test_a_forked_child_such_as_a_dataloader_worker_records_nothing(rx):
+    import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
+    m = make_monitor(rx)
+    _state.set_monitor(m)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the API is a no-op, nothing reaches the daemon
+            ok = sw.current() is None and sw.phase("forward") is _state.NULL
+            sw.step(1)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        with sw.phase("forward"):
+            pass
+        sw.step(1)
+        assert [r.identity.pid for r in steps(rx, 1)] == [os.getpid()]
+    finally:
+        _state.set_monitor(None)
+        m.shutdown()
+
+
 def test_daemon_absent_drops_and_counts(tmp_path):
     m = Monitor(IDENT, Sender(str(tmp_path / "nobody.sock")), heartbeat_seconds=0)
     for _ in range(5):

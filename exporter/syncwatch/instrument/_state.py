@@ -1,5 +1,7 @@
 """Process-wide state shared by the API, the hooks and the zero-code patches."""
 
+import os
+
 from ..protocol import PHASES
 
 monitor = None   # the rank's Monitor once init() succeeded; None = everything is a no-op
@@ -46,3 +48,8 @@ def set_monitor(m) -> None:
     monitor = m
     phases.clear()
     phases.update(m._phases if m is not None else dict.fromkeys(PHASES, NULL))
+
+
+# A forked child (a DataLoader worker) is not the rank: it has no records thread to send what it
+# would note, and its records would carry the rank's identity. The API is a no-op there.
+os.register_at_fork(after_in_child=lambda: set_monitor(None))
