@@ -52,11 +52,6 @@ STEP, READY, DONE, COLL, COLL_END, SEQ = 16, 17, 18, 19, 20, 21
 _SEQ_ENTRY = (SEQ,)
 
 
-def phase_index(name: str) -> int:
-    """A phase name's index; names outside the protocol's phases count as ``other``."""
-    return PHASE_INDEX.get(name, OTHER)
-
-
 class _Phase:
     """Context manager timing one phase: one entry in, one entry out. Stateless, so one object
     per name serves nested and repeated uses alike."""
