@@ -6,6 +6,10 @@ its step record; 30 such steps. Modes:
   sender  syncwatch.sender.Sender (EAGAIN goes to its retry queue, drained within 1 s)
 for the Unix datagram socket (queue: net.unix.max_dgram_qlen) and UDP on loopback (4 MiB buffer),
 and again while another 448 ranks' state (512 in all) is scraped back to back.
+
+Then the instrumentation's own pattern: a rank's records thread sends the steps of the last
+50 ms in one burst, so a rank with 0.2–1 ms steps sends bursts of 50–250 records into the
+10-datagram Unix queue. 8 processes, each a ``Monitor`` with one phase per step, for 3 s.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from _common import DaemonProcess, encoder, machine, step_record
 from syncwatch.sender import Sender, parse_udp
 
 RANKS, STEPS, PERIOD = 64, 30, 0.1
+MONITOR_RANKS = 8
 
 
 def rank_main(rank, mode, transport, address, start, out):
@@ -56,6 +61,41 @@ def rank_main(rank, mode, transport, address, start, out):
         out.put(s.dropped)
     else:
         out.put(lost)
+
+
+def monitor_rank(rank, address, seconds, step_seconds, out):
+    from syncwatch.instrument.monitor import Monitor
+    from syncwatch.protocol import Identity
+    m = Monitor(Identity("fast", 0, rank, rank, MONITOR_RANKS, "n1", os.getpid()),
+                Sender(address), heartbeat_seconds=0)
+    steps, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        with m.phase("forward"):
+            time.sleep(step_seconds)
+        m.step(1)
+        steps += 1
+    m.shutdown()
+    out.put((steps, m.sender.dropped))
+
+
+def run_monitors(step_seconds: float, seconds: float = 3.0) -> tuple[int, int, int]:
+    """Step records made, accepted by the daemon, and counted as dropped by the ranks."""
+    d = DaemonProcess()
+    try:
+        ctx = mp.get_context("fork")
+        out = ctx.Queue()
+        procs = [ctx.Process(target=monitor_rank, args=(r, d.socket, seconds, step_seconds, out))
+                 for r in range(MONITOR_RANKS)]
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join()
+        time.sleep(0.5)
+        accepted = d.healthz()["records"] - MONITOR_RANKS  # less the end records
+        return sum(n for n, _ in results), accepted, sum(dr for _, dr in results)
+    finally:
+        d.stop()
 
 
 def preload_and_scrape(d: DaemonProcess, stop: threading.Event) -> None:
@@ -112,6 +152,11 @@ def main() -> None:
         print(f"{transport:4s} {mode:6s}{during}: sent {sent}, daemon accepted {accepted}, "
               f"lost {sent - accepted} ({100 * (sent - accepted) / sent:.1f} %), "
               f"counted as dropped by the senders {lost}")
+    for step_seconds in (0.001, 0.0002):
+        made, accepted, dropped = run_monitors(step_seconds)
+        print(f"{MONITOR_RANKS} ranks' records threads, {step_seconds * 1e3:.1f} ms steps: "
+              f"{made} step records, daemon accepted {accepted}, lost {made - accepted}, "
+              f"counted as dropped by the ranks {dropped}")
 
 
 if __name__ == "__main__":
