@@ -23,7 +23,7 @@ drifts by several percent with other jobs, so a total wall ratio cannot resolve 
   (``thread_time``: forward, backward compute, optimizer and all syncwatch calls on that
   thread; it excludes gloo's threads and time spent waiting, so other jobs on the machine
   disturb it far less than wall time) and the whole process's CPU time (``process_time``:
-  adds gloo's threads and syncwatch's exchange and heartbeat threads; an exchange still
+  adds gloo's threads and syncwatch's exchange and records threads; an exchange still
   running when its block ends is charged to the next block, whichever arm).
 * Per pair the difference instrumented - plain; reported: its mean over all ranks' pairs, per
   step and as a fraction of the plain step, with a 95 % bootstrap interval (pairs resampled,
