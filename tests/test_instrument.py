@@ -231,7 +231,7 @@ def test_heartbeat_shows_a_rank_inside_a_collective(rx):
 
 
 def test_the_training_thread_only_queues_entries_the_records_thread_sends(rx):
-    m = make_monitor(rx, flush_seconds=60)  # the records thread flushes at start, then sleeps
+    m = make_monitor(rx, flush_seconds=60)  # the records thread first flushes after 60 s
     with m.phase("forward"):
         with m.phase("my-eval"):          # nested, a custom name: counted as other
             time.sleep(0.01)
@@ -272,7 +272,9 @@ def test_a_forked_child_such_as_a_dataloader_worker_records_nothing(rx):
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         with sw.phase("forward"):
-            pass
+            with sw.phase("my-eval"):  # a custom name, through Phases.__missing__ once
+                pass
+        assert sw.phase("my-eval") is m.phase("my-eval") is _state.phases["my-eval"]
         sw.step(1)
         assert [r.identity.pid for r in steps(rx, 1)] == [os.getpid()]
     finally:

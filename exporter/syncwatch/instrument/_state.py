@@ -34,7 +34,7 @@ class Phases(dict):
         if m is None:
             return NULL
         p = m.phase(name)
-        if len(self) < len(PHASES) + CUSTOM_PHASES:
+        if name in m._phases:  # remembered by the monitor (up to CUSTOM_PHASES): here too
             self[name] = p
         return p
 
