@@ -35,7 +35,7 @@ from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import syncwatch.instrument as sw  # noqa: E402
-from syncwatch.instrument import _state  # noqa: E402
+from syncwatch.instrument import _state, notes  # noqa: E402
 from syncwatch.instrument.hooks import ddp_hook_wrapper, watch_gradients  # noqa: E402
 from syncwatch.instrument.monitor import Monitor  # noqa: E402
 from syncwatch.protocol import Identity  # noqa: E402
@@ -177,7 +177,8 @@ def main():
     x = torch.randn(a.batch, a.hidden)
     with watch_gradients(models[0]):
         hooked = sum(bool(p._post_accumulate_grad_hooks) for p in models[0].parameters())
-    print(f"hooked parameters: {hooked} of 8; load average {os.getloadavg()[0]:.1f}")
+    print(f"hooked parameters: {hooked} of 8; notes in {notes.IMPLEMENTATION}; "
+          f"load average {os.getloadavg()[0]:.1f}")
     d = tempfile.mkdtemp(prefix="swb-")
     live = os.path.join(d, "live.sock")
     reader = subprocess.Popen([sys.executable, "-c", READER, live], stdout=subprocess.PIPE)

@@ -9,6 +9,7 @@ Two halves, so that the training thread does as little as possible:
   marks) only appends an *entry* — a code and a clock mark in a tuple — to a deque: a phase's
   start and end, a collective's start and end, gradients ready and synchronized, a step's end.
   ``deque.append`` is atomic in CPython: no locks, no syscalls, no allocation beyond the tuple.
+  Phases, ``step()`` and the "synchronized" mark are ``notes.Notes`` objects, in C where built.
 * **The records thread** wakes every ``flush_seconds`` (0.05 s), replays the entries into step
   records (phase durations, collective waits taken out of the phases around them, the step's
   gradient wait, cumulative totals, the skew-exchange windows), encodes and sends them, and sends
@@ -31,8 +32,8 @@ import time
 
 from ..protocol import PHASE_INDEX, Cumulative, Encoder, Identity
 from ..skew import SkewAccumulator
-from ._state import CUSTOM_PHASES
 from .clock import HostClock
+from .notes import Notes
 
 log = logging.getLogger("syncwatch.instrument")
 
@@ -50,33 +51,6 @@ FLUSH_SECONDS = 0.05
 EXIT = 8
 STEP, READY, DONE, COLL, COLL_END, SEQ = 16, 17, 18, 19, 20, 21
 _SEQ_ENTRY = (SEQ,)
-
-
-class _Phase:
-    """Context manager timing one phase: one entry in, one entry out. Stateless, so one object
-    per name serves nested and repeated uses alike."""
-
-    __slots__ = ("_put", "_mark", "_start", "_end", "_m")
-
-    def __init__(self, monitor: Monitor, idx: int):
-        self._m = monitor
-        self._put = monitor._entries.append
-        self._mark = monitor._mark
-        self._start, self._end = idx, idx + EXIT
-
-    def __enter__(self):
-        try:
-            self._put((self._start, self._mark()))
-        except Exception:
-            self._m._error()
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        try:
-            self._put((self._end, self._mark()))
-        except Exception:
-            self._m._error()
-        return False  # never swallow the training code's exceptions
 
 
 class Monitor:
@@ -103,7 +77,15 @@ class Monitor:
         # hot path -> records thread
         self._entries: collections.deque = collections.deque(maxlen=MAX_ENTRIES)
         self._put = self._entries.append
-        self._phases = {name: _Phase(self, i) for name, i in PHASE_INDEX.items()}
+        self._notes = Notes(STEP, time.time)
+        self._notes.bind(self._put, self._mark, self._error)
+        self._phases = {name: self._notes.phase(i, i + EXIT) for name, i in PHASE_INDEX.items()}
+        self.step = self._notes.step
+        """``step(samples=0, tokens=None, step=None)``: end the current step, which processed
+        ``samples`` (and ``tokens``); ``step``: the job's own step number (default: previous + 1)."""
+        self.bucket_done = self._notes.mark(DONE)
+        """The bucket's collective finished (wrapper path, communication thread), or all of them
+        (hook-free path: the final callback queued after DDP's finalize). Arguments ignored."""
         # the replay's state: only the records thread (or flush()) touches it, under _lock
         self._lock = threading.Lock()
         self._stack: list = []   # open phases: (index, start mark, sync index, host ns)
@@ -132,21 +114,10 @@ class Monitor:
 
     # ------------------------------------------------------------------ hot path
 
-    def phase(self, name: str) -> _Phase:
-        """A context manager timing phase ``name`` (one reusable object per name: no allocation)."""
-        p = self._phases.get(name)
-        if p is None:  # first use of a custom name
-            p = _Phase(self, PHASE_INDEX.get(name, OTHER))
-            if len(self._phases) < len(PHASE_INDEX) + CUSTOM_PHASES:
-                self._phases[name] = p
-        return p
-
-    def step(self, samples: float = 0.0, tokens: float | None = None, step: int | None = None) -> None:
-        """End the current step. ``step``: the job's own step number (default: previous + 1)."""
-        try:
-            self._put((STEP, self._mark(), time.time(), samples, tokens, step))
-        except Exception:
-            self._error()
+    def phase(self, name: str):
+        """A context manager timing phase ``name`` (one reusable object per name; any name
+        outside the protocol's phases is ``other``)."""
+        return self._phases.get(name) or self._phases["other"]
 
     def bucket_ready(self, collectives: int = 1) -> None:
         """Gradients are computed: a DDP bucket's hook entry (wrapper path, autograd thread), or
@@ -154,14 +125,6 @@ class Monitor:
         all-reduces."""
         try:
             self._put((READY, self._mark(), collectives))
-        except Exception:
-            self._error()
-
-    def bucket_done(self) -> None:
-        """The bucket's collective finished (wrapper path, communication thread), or all of them
-        (hook-free path: the final callback queued after DDP's finalize)."""
-        try:
-            self._put((DONE, self._mark()))
         except Exception:
             self._error()
 
@@ -442,6 +405,7 @@ class Monitor:
         if self.closed:
             return
         self.closed = True
+        self._notes.bind()  # phases and steps from now on note nothing
         try:
             end = time.monotonic() + timeout
             self._stop.set()
@@ -460,12 +424,14 @@ class Monitor:
         finally:
             self.sender.close()
 
-    def _error(self) -> None:
+    def _error(self, exc: BaseException | None = None) -> None:
+        """Count an internal error (``exc``, or the one being handled); log the first."""
         with self._errors_lock:  # the hot path's threads and the records thread all count
             self.errors += 1
             first = self.errors == 1
         if first:
-            log.warning("syncwatch: internal error (counted, training continues)", exc_info=True)
+            log.warning("syncwatch: internal error (counted, training continues)",
+                        exc_info=exc if exc is not None else True)
 
 
 _PHASE_NAMES = tuple(sorted(PHASE_INDEX, key=PHASE_INDEX.get))

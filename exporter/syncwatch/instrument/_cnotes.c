@@ -1,0 +1,447 @@
+/* syncwatch.instrument._cnotes: the training thread's notes, in C.
+ *
+ * The same three classes as notes.py -- Notes, its Phase context managers and Mark callbacks --
+ * with the same behaviour: each call appends one entry, a tuple of an entry code and a clock
+ * mark, to the monitor's deque. notes.py is the reference and what runs where this module was
+ * not built. It exists because after a backward pass the interpreter's caches are cold and every
+ * Python frame costs 1-3 us; a call into these types costs no Python frame at all.
+ *
+ * A Notes object is bound to a monitor with bind(put, clock, on_error): put appends an entry,
+ * clock() returns a mark, on_error(exc) counts an exception raised by either. The three are kept
+ * as one tuple, read once per call, so that a bind() on another thread is seen whole or not at
+ * all. Unbound, every call does nothing.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *to;         /* (put, clock, on_error), or NULL: unbound */
+    PyObject *step_code;  /* the entry code of step() */
+    PyObject *wall;       /* () -> wall-clock time of a step's end (time.time) */
+} NotesObject;
+
+typedef struct {
+    PyObject_HEAD
+    NotesObject *notes;
+    PyObject *start;  /* entry code on __enter__ */
+    PyObject *end;    /* entry code on __exit__ */
+} PhaseObject;
+
+typedef struct {
+    PyObject_HEAD
+    NotesObject *notes;
+    PyObject *code;
+} MarkObject;
+
+static PyObject *zero;  /* step()'s default sample count */
+
+/* Like `except Exception as e: on_error(e)`: an Exception is handed to on_error and goes no
+ * further; any other BaseException (KeyboardInterrupt, SystemExit) propagates. */
+static int
+failed(PyObject *to)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+        return -1;
+    }
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *exc = PyErr_GetRaisedException();
+#else
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (tb != NULL) {
+        PyException_SetTraceback(exc, tb);
+        Py_DECREF(tb);
+    }
+    Py_XDECREF(type);
+#endif
+    PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(to, 2), exc);
+    Py_DECREF(exc);
+    if (r == NULL) {
+        return -1;
+    }
+    Py_DECREF(r);
+    return 0;
+}
+
+/* Append `entry` (a new reference, or NULL when building it failed) with `to`'s put. */
+static int
+put(PyObject *to, PyObject *entry)
+{
+    if (entry != NULL) {
+        PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(to, 0), entry);
+        Py_DECREF(entry);
+        if (r != NULL) {
+            Py_DECREF(r);
+            return 0;
+        }
+    }
+    return failed(to);
+}
+
+/* Append (code, clock()). 0, or -1 with a BaseException set that must propagate. */
+static int
+note(NotesObject *n, PyObject *code)
+{
+    PyObject *to = n->to;
+    if (to == NULL) {
+        return 0;
+    }
+    Py_INCREF(to);  /* clock() may run Python code, during which another thread may rebind */
+    PyObject *entry = NULL;
+    PyObject *mark = PyObject_CallNoArgs(PyTuple_GET_ITEM(to, 1));
+    if (mark != NULL) {
+        entry = PyTuple_Pack(2, code, mark);
+        Py_DECREF(mark);
+    }
+    int rc = put(to, entry);
+    Py_DECREF(to);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------------ Notes */
+
+static int
+notes_init(NotesObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"step_code", "wall", NULL};
+    PyObject *step_code, *wall;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO:Notes", kwlist, &step_code, &wall)) {
+        return -1;
+    }
+    if (!PyCallable_Check(wall)) {
+        PyErr_SetString(PyExc_TypeError, "Notes: wall must be callable");
+        return -1;
+    }
+    Py_INCREF(step_code);
+    Py_XSETREF(self->step_code, step_code);
+    Py_INCREF(wall);
+    Py_XSETREF(self->wall, wall);
+    return 0;
+}
+
+static PyObject *
+notes_bind(NotesObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"put", "clock", "on_error", NULL};
+    PyObject *p = Py_None, *clock = Py_None, *on_error = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OOO:bind", kwlist, &p, &clock, &on_error)) {
+        return NULL;
+    }
+    PyObject *to = NULL;
+    if (p != Py_None) {
+        if (!PyCallable_Check(p) || !PyCallable_Check(clock) || !PyCallable_Check(on_error)) {
+            PyErr_SetString(PyExc_TypeError, "bind: put, clock and on_error must be callable");
+            return NULL;
+        }
+        to = PyTuple_Pack(3, p, clock, on_error);
+        if (to == NULL) {
+            return NULL;
+        }
+    }
+    Py_XSETREF(self->to, to);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+notes_bound(NotesObject *self, void *closure)
+{
+    return PyBool_FromLong(self->to != NULL);
+}
+
+static PyObject *
+notes_step(NotesObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    static const char *names[] = {"samples", "tokens", "step"};
+    PyObject *v[3] = {zero, Py_None, Py_None};
+    if (nargs > 3) {
+        PyErr_Format(PyExc_TypeError, "step() takes at most 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        v[i] = args[i];
+    }
+    Py_ssize_t nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, k);
+        int i = 0;
+        while (i < 3 && PyUnicode_CompareWithASCIIString(key, names[i]) != 0) {
+            i++;
+        }
+        if (i == 3) {
+            PyErr_Format(PyExc_TypeError, "step() got an unexpected keyword argument %R", key);
+            return NULL;
+        }
+        if (i < nargs) {
+            PyErr_Format(PyExc_TypeError, "step() got multiple values for argument '%s'",
+                         names[i]);
+            return NULL;
+        }
+        v[i] = args[nargs + k];
+    }
+    PyObject *to = self->to;
+    if (to == NULL) {
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(to);
+    PyObject *entry = NULL, *wall = NULL;
+    PyObject *mark = PyObject_CallNoArgs(PyTuple_GET_ITEM(to, 1));
+    if (mark != NULL) {
+        wall = PyObject_CallNoArgs(self->wall);
+        if (wall != NULL) {
+            entry = PyTuple_Pack(6, self->step_code, mark, wall, v[0], v[1], v[2]);
+            Py_DECREF(wall);
+        }
+        Py_DECREF(mark);
+    }
+    int rc = put(to, entry);
+    Py_DECREF(to);
+    if (rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyTypeObject PhaseType, MarkType;
+
+static PyObject *
+notes_phase(NotesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "phase(start, end) takes 2 arguments");
+        return NULL;
+    }
+    PhaseObject *p = PyObject_GC_New(PhaseObject, &PhaseType);
+    if (p == NULL) {
+        return NULL;
+    }
+    Py_INCREF(self);
+    p->notes = self;
+    Py_INCREF(args[0]);
+    p->start = args[0];
+    Py_INCREF(args[1]);
+    p->end = args[1];
+    PyObject_GC_Track(p);
+    return (PyObject *)p;
+}
+
+static PyObject *
+notes_mark(NotesObject *self, PyObject *code)
+{
+    MarkObject *m = PyObject_GC_New(MarkObject, &MarkType);
+    if (m == NULL) {
+        return NULL;
+    }
+    Py_INCREF(self);
+    m->notes = self;
+    Py_INCREF(code);
+    m->code = code;
+    PyObject_GC_Track(m);
+    return (PyObject *)m;
+}
+
+static int
+notes_traverse(NotesObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->to);
+    Py_VISIT(self->step_code);
+    Py_VISIT(self->wall);
+    return 0;
+}
+
+static int
+notes_clear(NotesObject *self)
+{
+    Py_CLEAR(self->to);
+    Py_CLEAR(self->step_code);
+    Py_CLEAR(self->wall);
+    return 0;
+}
+
+static void
+notes_dealloc(NotesObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    notes_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef notes_methods[] = {
+    {"bind", (PyCFunction)(void (*)(void))notes_bind, METH_VARARGS | METH_KEYWORDS,
+     "bind(put=None, clock=None, on_error=None): report to put/clock/on_error; "
+     "without put, unbind (every call does nothing)."},
+    {"step", (PyCFunction)(void (*)(void))notes_step, METH_FASTCALL | METH_KEYWORDS,
+     "step(samples=0, tokens=None, step=None): end a step that processed samples (and tokens);\n"
+     "step = the job's own step number (default: the previous one + 1)."},
+    {"phase", (PyCFunction)(void (*)(void))notes_phase, METH_FASTCALL,
+     "phase(start, end): a context manager noting start on entry and end on exit."},
+    {"mark", (PyCFunction)notes_mark, METH_O,
+     "mark(code): a callable (any arguments, ignored) noting code."},
+    {NULL}
+};
+
+static PyGetSetDef notes_getset[] = {
+    {"bound", (getter)notes_bound, NULL, "whether calls are noted", NULL},
+    {NULL}
+};
+
+static PyTypeObject NotesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "syncwatch.instrument._cnotes.Notes",
+    .tp_doc = "Notes(step_code, wall): where the training thread's calls note entries.",
+    .tp_basicsize = sizeof(NotesObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)notes_init,
+    .tp_dealloc = (destructor)notes_dealloc,
+    .tp_traverse = (traverseproc)notes_traverse,
+    .tp_clear = (inquiry)notes_clear,
+    .tp_methods = notes_methods,
+    .tp_getset = notes_getset,
+};
+
+/* ------------------------------------------------------------------------------ Phase */
+
+static PyObject *
+phase_enter(PhaseObject *self, PyObject *unused)
+{
+    if (note(self->notes, self->start) < 0) {
+        return NULL;
+    }
+    Py_INCREF(self);
+    return (PyObject *)self;
+}
+
+static PyObject *
+phase_exit(PhaseObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (note(self->notes, self->end) < 0) {
+        return NULL;
+    }
+    Py_RETURN_FALSE;  /* never swallow the training code's exceptions */
+}
+
+static int
+phase_traverse(PhaseObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->notes);
+    Py_VISIT(self->start);
+    Py_VISIT(self->end);
+    return 0;
+}
+
+static int
+phase_clear(PhaseObject *self)
+{
+    Py_CLEAR(self->notes);
+    Py_CLEAR(self->start);
+    Py_CLEAR(self->end);
+    return 0;
+}
+
+static void
+phase_dealloc(PhaseObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    phase_clear(self);
+    PyObject_GC_Del(self);
+}
+
+static PyMethodDef phase_methods[] = {
+    {"__enter__", (PyCFunction)phase_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))phase_exit, METH_FASTCALL, NULL},
+    {NULL}
+};
+
+static PyTypeObject PhaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "syncwatch.instrument._cnotes.Phase",
+    .tp_doc = "A phase's context manager (Notes.phase).",
+    .tp_basicsize = sizeof(PhaseObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_dealloc = (destructor)phase_dealloc,
+    .tp_traverse = (traverseproc)phase_traverse,
+    .tp_clear = (inquiry)phase_clear,
+    .tp_methods = phase_methods,
+};
+
+/* ------------------------------------------------------------------------------ Mark */
+
+static PyObject *
+mark_call(MarkObject *self, PyObject *args, PyObject *kwds)
+{
+    if (note(self->notes, self->code) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static int
+mark_traverse(MarkObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->notes);
+    Py_VISIT(self->code);
+    return 0;
+}
+
+static int
+mark_clear(MarkObject *self)
+{
+    Py_CLEAR(self->notes);
+    Py_CLEAR(self->code);
+    return 0;
+}
+
+static void
+mark_dealloc(MarkObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    mark_clear(self);
+    PyObject_GC_Del(self);
+}
+
+static PyTypeObject MarkType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "syncwatch.instrument._cnotes.Mark",
+    .tp_doc = "A callback noting its code (Notes.mark); its arguments are ignored.",
+    .tp_basicsize = sizeof(MarkObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_call = (ternaryfunc)mark_call,
+    .tp_dealloc = (destructor)mark_dealloc,
+    .tp_traverse = (traverseproc)mark_traverse,
+    .tp_clear = (inquiry)mark_clear,
+};
+
+/* ------------------------------------------------------------------------------ module */
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "syncwatch.instrument._cnotes",
+    .m_doc = "The training thread's notes in C: the same classes as syncwatch.instrument.notes.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__cnotes(void)
+{
+    if (PyType_Ready(&NotesType) < 0 || PyType_Ready(&PhaseType) < 0
+            || PyType_Ready(&MarkType) < 0) {
+        return NULL;
+    }
+    zero = PyLong_FromLong(0);
+    if (zero == NULL) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(m, "Notes", (PyObject *)&NotesType) < 0
+            || PyModule_AddObjectRef(m, "Phase", (PyObject *)&PhaseType) < 0
+            || PyModule_AddObjectRef(m, "Mark", (PyObject *)&MarkType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

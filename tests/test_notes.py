@@ -1,0 +1,231 @@
+"""The training thread's notes: the pure-Python reference and the C classes behave the same."""
+
+import collections
+import gc
+import itertools
+import os
+import sys
+import threading
+import weakref
+
+import pytest
+
+from syncwatch.instrument import notes
+
+try:
+    from syncwatch.instrument import _cnotes
+except ImportError:
+    _cnotes = None
+
+IMPLEMENTATIONS = [pytest.param(notes.PyNotes, id="python"),
+                   pytest.param(_cnotes.Notes if _cnotes else None, id="c", marks=pytest.mark.skipif(
+                       _cnotes is None, reason="syncwatch.instrument._cnotes was not built"))]
+STEP, DONE = 16, 18
+
+
+def test_the_c_notes_are_built_and_used():
+    if os.environ.get("SYNCWATCH_PURE_PYTHON"):
+        assert notes.IMPLEMENTATION == "Python"
+        pytest.skip("SYNCWATCH_PURE_PYTHON is set")
+    assert _cnotes is not None, ("the C notes were not built: install with a C compiler and "
+                                 "Python's headers, or set SYNCWATCH_PURE_PYTHON=1")
+    assert notes.IMPLEMENTATION == "C" and notes.Notes is _cnotes.Notes
+
+
+def bound(Notes):
+    """Notes bound to a fresh deque, a counting clock and an error list."""
+    n = Notes(STEP, itertools.count(1000).__next__)
+    entries, errors = collections.deque(), []
+    n.bind(entries.append, itertools.count().__next__, errors.append)
+    return n, entries, errors
+
+
+def script(n):
+    """A step's calls in every form the API allows; returns what the body saw."""
+    seen = []
+    data, fwd = n.phase(0, 8), n.phase(1, 9)
+    with data as d:
+        seen.append(d is data)
+    with fwd:
+        with data:  # nested and reused: the objects are stateless
+            pass
+    done = n.mark(DONE)
+    done()
+    done("a future", key="ignored")
+    n.step()
+    n.step(32)
+    n.step(32.5, 100)
+    n.step(8, tokens=7, step=12)
+    n.step(samples=4, step=3)
+    return seen
+
+
+@pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
+def test_each_call_notes_one_entry_with_its_code_and_a_mark(Notes):
+    n, entries, errors = bound(Notes)
+    assert script(n) == [True]
+    assert list(entries) == [
+        (0, 0), (8, 1), (1, 2), (0, 3), (8, 4), (9, 5), (DONE, 6), (DONE, 7),
+        (STEP, 8, 1000, 0, None, None), (STEP, 9, 1001, 32, None, None),
+        (STEP, 10, 1002, 32.5, 100, None), (STEP, 11, 1003, 8, 7, 12),
+        (STEP, 12, 1004, 4, None, 3)]
+    assert errors == []
+
+
+def test_both_implementations_note_the_same_entries():
+    if _cnotes is None:
+        pytest.skip("syncwatch.instrument._cnotes was not built")
+    runs = []
+    for Notes in (notes.PyNotes, _cnotes.Notes):
+        n, entries, _ = bound(Notes)
+        script(n)
+        runs.append(list(entries))
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
+def test_unbound_notes_do_nothing(Notes):
+    n = Notes(STEP, lambda: 1 / 0)  # not even the wall clock is read
+    assert not n.bound
+    script(n)
+    entries = collections.deque()
+    n.bind(entries.append, itertools.count().__next__, print)
+    assert n.bound
+    n.bind()
+    assert not n.bound
+    script(n)
+    assert not entries
+
+
+@pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
+def test_an_exception_in_put_or_clock_goes_to_on_error_not_to_the_caller(Notes):
+    n, entries, errors = bound(Notes)
+
+    def broken_put(entry):
+        raise RuntimeError("put")
+    n.bind(broken_put, itertools.count().__next__, errors.append)
+    p = n.phase(0, 8)
+    with p:
+        pass
+    n.step(1)
+    n.mark(DONE)()
+    assert [str(e) for e in errors] == ["put"] * 4
+    assert errors[0].__traceback__ is not None  # logged with where it came from
+
+    def broken_clock():
+        raise ValueError("clock")
+    errors.clear()
+    n.bind(entries.append, broken_clock, errors.append)
+    with p:
+        pass
+    n.step(1)
+    assert [type(e) for e in errors] == [ValueError] * 3 and not entries
+
+
+@pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
+def test_the_training_codes_exceptions_pass_through_a_phase(Notes):
+    n, entries, errors = bound(Notes)
+    with pytest.raises(ZeroDivisionError):
+        with n.phase(2, 10):
+            1 / 0
+    assert [e[0] for e in entries] == [2, 10] and errors == []
+
+
+@pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
+def test_keyboard_interrupt_is_not_swallowed(Notes):
+    n, entries, errors = bound(Notes)
+
+    def interrupted(entry):
+        raise KeyboardInterrupt
+    n.bind(interrupted, itertools.count().__next__, errors.append)
+    with pytest.raises(KeyboardInterrupt):
+        n.step(1)
+    with pytest.raises(KeyboardInterrupt):
+        with n.phase(0, 8):
+            pass
+    assert errors == []
+
+
+@pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
+def test_step_rejects_arguments_it_does_not_take(Notes):
+    n, entries, _ = bound(Notes)
+    with pytest.raises(TypeError, match="argument"):
+        n.step(1, 2, 3, 4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sample'"):
+        n.step(sample=1)
+    with pytest.raises(TypeError, match="multiple values for argument 'samples'"):
+        n.step(1, samples=2)
+    with pytest.raises(TypeError, match="callable"):
+        n.bind(entries.append, None, print)
+    with pytest.raises(TypeError, match="callable"):
+        Notes(STEP, None)
+    assert not entries
+
+
+@pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
+def test_no_reference_is_leaked(Notes):
+    code, mark, samples = object(), object(), object()
+    n = Notes(code, lambda: 0)
+    sink = collections.deque(maxlen=1)
+    n.bind(sink.append, lambda: mark, print)
+    p, m = n.phase(code, code), n.mark(code)
+    before = [sys.getrefcount(o) for o in (code, mark, samples)]
+    for _ in range(1000):
+        with p:
+            pass
+        m(samples)
+        n.step(samples, samples, samples)
+    sink.clear()
+    assert [sys.getrefcount(o) for o in (code, mark, samples)] == before
+
+
+@pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
+def test_a_monitor_and_its_notes_are_collected_together(Notes):
+    class Owner:  # like the Monitor: it holds its notes, whose on_error is its method
+        def __init__(self):
+            self.notes = Notes(STEP, lambda: 0)
+            self.entries = collections.deque()
+            self.notes.bind(self.entries.append, lambda: 0, self.error)
+            self.phase, self.done = self.notes.phase(0, 8), self.notes.mark(DONE)
+
+        def error(self, exc):
+            pass
+    owner = Owner()
+    ref = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
+def test_a_rebind_on_another_thread_is_seen_whole(Notes):
+    """The records thread (shutdown) and the API (set_monitor) rebind while the training thread
+    notes: every entry lands whole in one of the bound deques, none fails."""
+    n = Notes(STEP, lambda: 0)
+    a, b, errors = collections.deque(), collections.deque(), []
+    bindings = [(a.append, itertools.count().__next__, errors.append),
+                (b.append, itertools.count().__next__, errors.append), ()]
+    stop = threading.Event()
+
+    def rebind():
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            n.bind(*bindings[i % 3])
+    t = threading.Thread(target=rebind)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    t.start()
+    try:
+        p = n.phase(0, 8)
+        for _ in range(20000):
+            with p:
+                pass
+            n.step(1)
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(old)
+    assert errors == [] and len(a) + len(b) > 0
+    assert all(e[0] in (0, 8) and len(e) == 2 or e[0] == STEP and len(e) == 6
+               for e in itertools.chain(a, b))
