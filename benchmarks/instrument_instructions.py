@@ -98,6 +98,7 @@ def run_arm(arm: str, steps: int) -> None:
 def count(arm: str, impl: str, steps: int) -> int:
     env = dict(os.environ)
     env.pop("SYNCWATCH_PURE_PYTHON", None)
+    env["PYTHONHASHSEED"] = "0"  # the same dict layouts in every run: repeatable counts
     if impl == "Python":
         env["SYNCWATCH_PURE_PYTHON"] = "1"
     out = subprocess.run(

@@ -11,7 +11,9 @@ goes no further. Unbound, every call does nothing: the API before ``init()``.
 The classes here are the reference. ``_cnotes.c`` implements the same three in C, because after
 a backward pass the interpreter's caches are cold and each Python frame here costs 1-3 us, and
 this module uses them when they were built and ``SYNCWATCH_PURE_PYTHON`` is not set
-(``IMPLEMENTATION`` says which runs); the tests hold both to the same behaviour.
+(``IMPLEMENTATION`` says which runs); the tests hold both to the same behaviour. The methods
+below repeat the same few lines instead of calling a shared helper: a helper would be one more
+Python frame per call here.
 """
 
 from __future__ import annotations
