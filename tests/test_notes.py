@@ -4,9 +4,12 @@ import collections
 import gc
 import itertools
 import os
+import shutil
+import subprocess
 import sys
 import threading
 import weakref
+import zipfile
 
 import pytest
 
@@ -229,3 +232,32 @@ def test_a_rebind_on_another_thread_is_seen_whole(Notes):
     assert errors == [] and len(a) + len(b) > 0
     assert all(e[0] in (0, 8) and len(e) == 2 or e[0] == STEP and len(e) == 6
                for e in itertools.chain(a, b))
+
+
+def test_an_install_without_a_c_compiler_falls_back_to_the_python_notes(tmp_path):
+    """The C part is optional: a build whose compiler fails still gives a working package."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = tmp_path / "src"  # the sources only: not the extension built in place for the tests
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(os.path.join(root, name), src / name)
+    shutil.copytree(os.path.join(root, "exporter"), src / "exporter",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__", "*.egg-info"))
+    env = dict(os.environ, CC="/bin/false")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "--disable-pip-version-check", "-w", str(tmp_path / "wheel"), str(src)],
+                   env=env, check=True, capture_output=True, cwd=tmp_path)
+    (wheel,) = (tmp_path / "wheel").glob("syncwatch-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        z.extractall(tmp_path / "site")
+    assert "syncwatch/instrument/notes.py" in names
+    assert not [n for n in names if n.endswith(".so")]
+    env = {k: v for k, v in os.environ.items() if k != "SYNCWATCH_PURE_PYTHON"}
+    env["PYTHONPATH"] = str(tmp_path / "site")
+    out = subprocess.run([sys.executable, "-c",
+                          "import syncwatch.instrument as sw, syncwatch.instrument.notes as n\n"
+                          "with sw.phase('data'):\n    sw.step(1)\n"
+                          "print(n.IMPLEMENTATION, n.Notes.__module__)"],
+                         env=env, check=True, capture_output=True, text=True, cwd=tmp_path)
+    assert out.stdout.split() == ["Python", "syncwatch.instrument.notes"]
