@@ -209,22 +209,26 @@ def test_a_rebind_on_another_thread_is_seen_whole(Notes):
     bindings = [(a.append, itertools.count().__next__, errors.append),
                 (b.append, itertools.count().__next__, errors.append), ()]
     stop = threading.Event()
+    rebinds = [0]
 
     def rebind():
         for i in itertools.count():
             if stop.is_set():
                 return
             n.bind(*bindings[i % 3])
+            rebinds[0] = i + 1
+    n.bind(*bindings[0])
     t = threading.Thread(target=rebind)
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     t.start()
     try:
-        p = n.phase(0, 8)
-        for _ in range(20000):
+        p, calls = n.phase(0, 8), 0
+        while calls < 20000 or rebinds[0] < 1000:  # however the threads get scheduled
             with p:
                 pass
             n.step(1)
+            calls += 1
     finally:
         stop.set()
         t.join()
@@ -261,3 +265,12 @@ def test_an_install_without_a_c_compiler_falls_back_to_the_python_notes(tmp_path
                           "print(n.IMPLEMENTATION, n.Notes.__module__)"],
                          env=env, check=True, capture_output=True, text=True, cwd=tmp_path)
     assert out.stdout.split() == ["Python", "syncwatch.instrument.notes"]
+
+
+@pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
+def test_notes_whose_init_never_ran_report_an_error_instead_of_crashing(Notes):
+    n = Notes.__new__(Notes)
+    errors = []
+    n.bind(collections.deque().append, itertools.count().__next__, errors.append)
+    n.step(1)  # counted as an internal error, like any other
+    assert [type(e) for e in errors] in ([TypeError], [AttributeError])

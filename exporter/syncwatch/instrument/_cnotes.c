@@ -84,7 +84,7 @@ put(PyObject *to, PyObject *entry)
 static int
 note(NotesObject *n, PyObject *code)
 {
-    PyObject *to = n->to;
+    PyObject *to = n != NULL ? n->to : NULL;  /* n is NULL only once the GC cleared a cycle */
     if (to == NULL) {
         return 0;
     }
@@ -185,8 +185,13 @@ notes_step(NotesObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
         Py_RETURN_NONE;
     }
     Py_INCREF(to);
-    PyObject *entry = NULL, *wall = NULL;
-    PyObject *mark = PyObject_CallNoArgs(PyTuple_GET_ITEM(to, 1));
+    PyObject *entry = NULL, *wall = NULL, *mark = NULL;
+    if (self->wall == NULL) {  /* bound, but __init__ never ran (Notes.__new__ alone) */
+        PyErr_SetString(PyExc_TypeError, "Notes.__init__ was not called");
+    }
+    else {
+        mark = PyObject_CallNoArgs(PyTuple_GET_ITEM(to, 1));
+    }
     if (mark != NULL) {
         wall = PyObject_CallNoArgs(self->wall);
         if (wall != NULL) {
