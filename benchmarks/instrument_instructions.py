@@ -4,11 +4,12 @@
 
 Timings of a few microseconds on a shared VM move with the neighbours; instruction counts do
 not (the same binary, inputs and environment give the same count whatever else the machine
-does). Each arm runs in its own process under ``valgrind --tool=callgrind``: a small DDP model
-(one gloo rank, 4 layers of width 4, one intra-op thread) trains ``--steps`` steps after 20
-warm-up steps, and only those steps are counted: they run inside one ``deque.extend(map(...))``
-call, which callgrind's ``--toggle-collect=deque_extend`` brackets (this needs a CPython whose
-libpython keeps its symbols, as pyenv and python.org builds do). Arms:
+does). Each arm runs in its own process under ``valgrind --tool=callgrind``: the small DDP
+model and the steps of ``instrument_hot_path.py`` (one gloo rank, 4 layers of width 4, one
+intra-op thread), ``--steps`` steps after 20 warm-up steps. Only those steps are counted: they
+run inside one ``deque.extend(map(...))`` call, which callgrind's
+``--toggle-collect=deque_extend`` brackets (this needs a CPython whose libpython keeps its
+symbols, as pyenv and python.org builds do). Arms:
 
 * ``base``: the step without any syncwatch call;
 * ``noop``: six ``with phase(...)`` blocks and ``step()``, nothing initialized (the cost of the
@@ -37,14 +38,13 @@ WARMUP = 20
 
 
 def run_arm(arm: str, steps: int) -> None:
-    """The measured process: set up, warm up, then ``steps`` steps inside ``deque.extend``."""
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "..", "exporter"))
+    """The measured process: set up, warm up, then ``steps`` steps inside ``deque.extend``. The
+    model and the two step functions are ``instrument_hot_path``'s (its timing calls run in
+    every arm alike)."""
     import torch
     import torch.distributed as dist
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import syncwatch.instrument as sw
+    import instrument_hot_path as hot
     from syncwatch.instrument import _state, notes
     from syncwatch.instrument.hooks import watch_gradients
     from syncwatch.instrument.monitor import Monitor
@@ -53,8 +53,7 @@ def run_arm(arm: str, steps: int) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    torch.manual_seed(0)
-    model = DDP(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
+    model = hot.make_model(find_unused=False, hidden=4)
     x = torch.randn(2, 4)
     monitor = None
     if arm != "base":
@@ -64,26 +63,11 @@ def run_arm(arm: str, steps: int) -> None:
         _state.set_monitor(None if arm == "noop" else monitor)
     if arm == "full":
         watch_gradients(model)
+    step_fn = hot.plain_step if arm == "base" else hot.one_step
 
-    def plain(_):
-        model(x).sum().backward()
+    def step(_):
+        step_fn(model, x)
 
-    def instrumented(_):
-        with sw.phase("data"):
-            pass
-        with sw.phase("forward"):
-            out = model(x)
-        with sw.phase("backward"):
-            out.sum().backward()
-        with sw.phase("optimizer"):
-            pass
-        with sw.phase("checkpoint"):
-            pass
-        with sw.phase("eval"):
-            pass
-        sw.step(32)
-
-    step = plain if arm == "base" else instrumented
     for i in range(WARMUP):
         step(i)
     collections.deque(maxlen=0).extend(map(step, range(steps)))  # the counted steps

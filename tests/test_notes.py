@@ -75,17 +75,6 @@ def test_each_call_notes_one_entry_with_its_code_and_a_mark(Notes):
     assert errors == []
 
 
-def test_both_implementations_note_the_same_entries():
-    if _cnotes is None:
-        pytest.skip("syncwatch.instrument._cnotes was not built")
-    runs = []
-    for Notes in (notes.PyNotes, _cnotes.Notes):
-        n, entries, _ = bound(Notes)
-        script(n)
-        runs.append(list(entries))
-    assert runs[0] == runs[1]
-
-
 @pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
 def test_unbound_notes_do_nothing(Notes):
     n = Notes(STEP, lambda: 1 / 0)  # not even the wall clock is read

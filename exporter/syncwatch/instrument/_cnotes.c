@@ -21,18 +21,14 @@ typedef struct {
     PyObject *wall;       /* () -> wall-clock time of a step's end (time.time) */
 } NotesObject;
 
+/* A phase (codes noted on __enter__ and __exit__) or a mark (code noted when called; exit_code
+ * NULL): the two share their layout and their reference handling. */
 typedef struct {
     PyObject_HEAD
     NotesObject *notes;
-    PyObject *start;  /* entry code on __enter__ */
-    PyObject *end;    /* entry code on __exit__ */
-} PhaseObject;
-
-typedef struct {
-    PyObject_HEAD
-    NotesObject *notes;
-    PyObject *code;
-} MarkObject;
+    PyObject *code;       /* noted on __enter__ (phase) or when called (mark) */
+    PyObject *exit_code;  /* noted on __exit__ (phase); NULL for a mark */
+} NoteObject;
 
 static PyObject *zero;  /* step()'s default sample count */
 
@@ -211,39 +207,36 @@ notes_step(NotesObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
 static PyTypeObject PhaseType, MarkType;
 
 static PyObject *
+new_note(PyTypeObject *type, NotesObject *notes, PyObject *code, PyObject *exit_code)
+{
+    NoteObject *n = PyObject_GC_New(NoteObject, type);
+    if (n == NULL) {
+        return NULL;
+    }
+    Py_INCREF(notes);
+    n->notes = notes;
+    Py_INCREF(code);
+    n->code = code;
+    Py_XINCREF(exit_code);
+    n->exit_code = exit_code;
+    PyObject_GC_Track(n);
+    return (PyObject *)n;
+}
+
+static PyObject *
 notes_phase(NotesObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "phase(start, end) takes 2 arguments");
         return NULL;
     }
-    PhaseObject *p = PyObject_GC_New(PhaseObject, &PhaseType);
-    if (p == NULL) {
-        return NULL;
-    }
-    Py_INCREF(self);
-    p->notes = self;
-    Py_INCREF(args[0]);
-    p->start = args[0];
-    Py_INCREF(args[1]);
-    p->end = args[1];
-    PyObject_GC_Track(p);
-    return (PyObject *)p;
+    return new_note(&PhaseType, self, args[0], args[1]);
 }
 
 static PyObject *
 notes_mark(NotesObject *self, PyObject *code)
 {
-    MarkObject *m = PyObject_GC_New(MarkObject, &MarkType);
-    if (m == NULL) {
-        return NULL;
-    }
-    Py_INCREF(self);
-    m->notes = self;
-    Py_INCREF(code);
-    m->code = code;
-    PyObject_GC_Track(m);
-    return (PyObject *)m;
+    return new_note(&MarkType, self, code, NULL);
 }
 
 static int
@@ -306,12 +299,38 @@ static PyTypeObject NotesType = {
     .tp_getset = notes_getset,
 };
 
-/* ------------------------------------------------------------------------------ Phase */
+/* ------------------------------------------------------------------------------ Phase, Mark */
+
+static int
+note_traverse(NoteObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->notes);
+    Py_VISIT(self->code);
+    Py_VISIT(self->exit_code);
+    return 0;
+}
+
+static int
+note_clear(NoteObject *self)
+{
+    Py_CLEAR(self->notes);
+    Py_CLEAR(self->code);
+    Py_CLEAR(self->exit_code);
+    return 0;
+}
+
+static void
+note_dealloc(NoteObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    note_clear(self);
+    PyObject_GC_Del(self);
+}
 
 static PyObject *
-phase_enter(PhaseObject *self, PyObject *unused)
+phase_enter(NoteObject *self, PyObject *unused)
 {
-    if (note(self->notes, self->start) < 0) {
+    if (note(self->notes, self->code) < 0) {
         return NULL;
     }
     Py_INCREF(self);
@@ -319,38 +338,12 @@ phase_enter(PhaseObject *self, PyObject *unused)
 }
 
 static PyObject *
-phase_exit(PhaseObject *self, PyObject *const *args, Py_ssize_t nargs)
+phase_exit(NoteObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (note(self->notes, self->end) < 0) {
+    if (note(self->notes, self->exit_code) < 0) {
         return NULL;
     }
     Py_RETURN_FALSE;  /* never swallow the training code's exceptions */
-}
-
-static int
-phase_traverse(PhaseObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->notes);
-    Py_VISIT(self->start);
-    Py_VISIT(self->end);
-    return 0;
-}
-
-static int
-phase_clear(PhaseObject *self)
-{
-    Py_CLEAR(self->notes);
-    Py_CLEAR(self->start);
-    Py_CLEAR(self->end);
-    return 0;
-}
-
-static void
-phase_dealloc(PhaseObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    phase_clear(self);
-    PyObject_GC_Del(self);
 }
 
 static PyMethodDef phase_methods[] = {
@@ -363,18 +356,16 @@ static PyTypeObject PhaseType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "syncwatch.instrument._cnotes.Phase",
     .tp_doc = "A phase's context manager (Notes.phase).",
-    .tp_basicsize = sizeof(PhaseObject),
+    .tp_basicsize = sizeof(NoteObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_dealloc = (destructor)phase_dealloc,
-    .tp_traverse = (traverseproc)phase_traverse,
-    .tp_clear = (inquiry)phase_clear,
+    .tp_dealloc = (destructor)note_dealloc,
+    .tp_traverse = (traverseproc)note_traverse,
+    .tp_clear = (inquiry)note_clear,
     .tp_methods = phase_methods,
 };
 
-/* ------------------------------------------------------------------------------ Mark */
-
 static PyObject *
-mark_call(MarkObject *self, PyObject *args, PyObject *kwds)
+mark_call(NoteObject *self, PyObject *args, PyObject *kwds)
 {
     if (note(self->notes, self->code) < 0) {
         return NULL;
@@ -382,40 +373,16 @@ mark_call(MarkObject *self, PyObject *args, PyObject *kwds)
     Py_RETURN_NONE;
 }
 
-static int
-mark_traverse(MarkObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->notes);
-    Py_VISIT(self->code);
-    return 0;
-}
-
-static int
-mark_clear(MarkObject *self)
-{
-    Py_CLEAR(self->notes);
-    Py_CLEAR(self->code);
-    return 0;
-}
-
-static void
-mark_dealloc(MarkObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    mark_clear(self);
-    PyObject_GC_Del(self);
-}
-
 static PyTypeObject MarkType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "syncwatch.instrument._cnotes.Mark",
     .tp_doc = "A callback noting its code (Notes.mark); its arguments are ignored.",
-    .tp_basicsize = sizeof(MarkObject),
+    .tp_basicsize = sizeof(NoteObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_call = (ternaryfunc)mark_call,
-    .tp_dealloc = (destructor)mark_dealloc,
-    .tp_traverse = (traverseproc)mark_traverse,
-    .tp_clear = (inquiry)mark_clear,
+    .tp_dealloc = (destructor)note_dealloc,
+    .tp_traverse = (traverseproc)note_traverse,
+    .tp_clear = (inquiry)note_clear,
 };
 
 /* ------------------------------------------------------------------------------ module */
