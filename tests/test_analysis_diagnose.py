@@ -76,6 +76,23 @@ def test_topology_mismatch_when_collective_grows_without_bytes_or_congestion():
     assert "topology_mismatch" in modes
 
 
+def test_a_partial_window_holding_lagged_slack_is_not_contention():
+    """Slack lands once per exchange, the waits every step: a window the job ran through only in
+    part (here the range's last: one step) can hold the earlier steps' slack, so sync − slack is
+    near zero there. Among a few windows that would set a baseline every full window exceeds."""
+    truth = sim.run_scenario("oscillation", nodes=4, ranks_per_node=8, steps=60, seed=0)
+    v = recording.to_view(recording.from_ground_truth(truth, start_wall=START), "test")
+    last = len(v.times) - 1
+    for r in v.ranks:
+        n = v.per_rank["steps"][r][last]
+        for name in ("steps", "step_seconds", "sync_seconds"):
+            v.per_rank[name][r][last] /= n
+        v.per_rank["slack_seconds"][r][last] = 0.98 * v.per_rank["sync_seconds"][r][last]
+    coll = v.collective_series()
+    assert coll[last] is None and all(c == pytest.approx(0.15, rel=0.01) for c in coll[:last]), coll
+    assert {f.mode for f in diagnose(v).findings} == {"oscillation"}
+
+
 def test_cli_offline_json_and_summary(tmp_path, monkeypatch, capsys):
     path = tmp_path / "run.json"
     recording.save(recorded("restarts"), path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -102,9 +103,20 @@ class JobView:
         return self.ratio_series("slack_seconds", "step_seconds")
 
     def collective_series(self) -> list[float | None]:
-        """Mean collective time per step: the wait not explained by slack (= the smallest wait)."""
-        sync, slack, steps = (self.window_sum(n) for n in ("sync_seconds", "slack_seconds", "steps"))
-        return [(a - b) / s if s > 0 else None for a, b, s in zip(sync, slack, steps)]
+        """Mean collective time per step: the wait not explained by slack (= the smallest wait).
+
+        Slack lands once per skew exchange (every K steps) while the waits land every step, so a
+        window holds the slack of a few steps before it and lacks that of its last few. Over a
+        window the job ran through, that evens out; one it ran through only in part (the range's
+        edges, a restart) can hold more lagged slack than its own waits, and its difference means
+        nothing. Windows with less than half the median step time read None — a slow window still
+        fills its time with steps, so episodes of a slower collective are kept.
+        """
+        sync, slack, steps, busy = (self.window_sum(n) for n in
+                                    ("sync_seconds", "slack_seconds", "steps", "step_seconds"))
+        least = statistics.median([b for b in busy if b > 0] or [0.0]) / 2
+        return [(a - b) / s if s > 0 and t >= least else None
+                for a, b, s, t in zip(sync, slack, steps, busy)]
 
     def has_exact(self) -> bool:
         return self.total("last_arrivals") > 0
