@@ -246,6 +246,74 @@ def test_the_training_thread_only_queues_entries_the_records_thread_sends(rx):
     m.shutdown()
 
 
+class Collected:
+    """A sender that keeps every datagram (the replay's output, byte for byte)."""
+
+    def __init__(self):
+        self.data, self.dropped = [], 0
+
+    def send(self, data):
+        self.data.append(data)
+        return True
+
+    def flush(self, timeout=0):
+        pass
+
+    def close(self):
+        pass
+
+
+def random_entries(rng, steps):
+    """Entries as the notes and hooks put them: nested phases, DDP marks, collectives, steps."""
+    from syncwatch.instrument.monitor import COLL, COLL_END, DONE, EXIT, READY, SEQ, STEP
+    t, out = 0, []
+
+    def mark():
+        nonlocal t
+        t += rng.randrange(1, 10_000)
+        return t
+
+    def phases(depth):
+        for _ in range(rng.randrange(1, 5)):
+            if rng.random() < 0.1:  # a bucket's collective done after its phase (wrapper path)
+                out.extend([(READY, mark(), 1), (DONE, mark())])
+            idx = rng.randrange(len(PHASE_INDEX))
+            out.append((idx, mark()))
+            inside = rng.random()
+            if inside < 0.2:
+                out.extend([(READY, mark(), rng.randrange(1, 4)), (DONE, mark())])
+            elif inside < 0.35:
+                out.extend([(COLL, mark()), (SEQ,), (COLL_END, mark())])
+            elif inside < 0.5 and depth < 2:
+                phases(depth + 1)
+            out.append((idx + EXIT, mark()))
+
+    for _ in range(steps):
+        phases(0)
+        out.append((STEP, mark(), 1.7e9 + t * 1e-9, rng.choice([0, 8]), rng.choice([None, 64]), None))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_burst_of_entries_replays_as_they_do_one_at_a_time(seed):
+    """The records thread replays whatever accumulated since its last flush, with shortcuts for
+    the usual shapes (a phase with nothing inside): records and heartbeat state must not depend
+    on how the entries were batched."""
+    import random
+    entries = random_entries(random.Random(seed), 40)
+    outcomes = []
+    for chunk in (1, 7, len(entries)):
+        m = Monitor(IDENT, Collected(), heartbeat_seconds=0, flush_seconds=3600)
+        for i in range(0, len(entries), chunk):
+            m._entries.extend(entries[i:i + chunk])
+            m.flush()
+        outcomes.append((list(m.sender.data), m.phase_idx, m.phase_since, m.collective_sequence,
+                         m.totals, m.errors))
+        m.shutdown()
+    assert len(outcomes[0][0]) == 40
+    assert outcomes[0] == outcomes[1] == outcomes[2]
+
+
 def test_a_records_thread_that_falls_behind_costs_bounded_memory(tmp_path):
     from syncwatch.instrument.monitor import MAX_ENTRIES
     m = Monitor(IDENT, Sender(str(tmp_path / "nobody.sock")), heartbeat_seconds=0,
