@@ -8,7 +8,7 @@ for the Unix datagram socket (queue: net.unix.max_dgram_qlen) and UDP on loopbac
 and again while another 448 ranks' state (512 in all) is scraped back to back.
 
 Then the instrumentation's own pattern: a rank's records thread sends the steps of the last
-50 ms in one burst, so a rank with 0.2–1 ms steps sends bursts of 50–250 records into the
+0.2 s in one burst, so a rank with 0.2–1 ms steps sends bursts of 200–1000 records into the
 10-datagram Unix queue. 8 processes, each a ``Monitor`` with one phase per step, for 3 s.
 """
 

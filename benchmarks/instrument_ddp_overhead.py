@@ -19,6 +19,12 @@ drifts by several percent with other jobs, so a total wall ratio cannot resolve 
   one plain and one instrumented block back to back, in an order drawn at random per pair (the
   same draw on every rank: the models' all-reduces must match), so slow drifts and any
   first/second-in-pair bias cancel. Every block starts after a barrier.
+* The records thread replays, encodes and sends on a timer, so its work would land in plain
+  and instrumented blocks alike and cancel out of the difference. Each instrumented block
+  therefore ends with ``flush()`` inside its timing: the work for the block's steps is charged
+  to it (on the training thread, a conservative stand-in for the records thread's CPU and
+  interpreter lock). Records go to an absent daemon: the send fails fast (a real one is a
+  ~2 us syscall, and the daemon's own work is not the rank's).
 * Three figures per block: wall time (``perf_counter``), the training thread's CPU time
   (``thread_time``: forward, backward compute, optimizer and all syncwatch calls on that
   thread; it excludes gloo's threads and time spent waiting, so other jobs on the machine
@@ -126,6 +132,8 @@ def rank_main(a):
             swap_roles()
             inst_step(*models[role])
             plain_step(*models[1 - role])
+    live = a.arm in ("full", "hook-only", "calls-only") and not a.uncharged  # charge records work
+    flushed = []  # training-thread CPU of each instrumented block's closing flush()
     rng = random.Random(a.seed)  # the same order on every rank
     clocks = (time.perf_counter, time.thread_time, time.process_time)
     pairs = []  # per pair: (plain, instrumented) block time for each clock
@@ -141,6 +149,10 @@ def rank_main(a):
             t0 = [c() for c in clocks]
             for _ in range(a.block_steps):
                 fn(*model)
+            if arm == "inst" and live:  # the records thread's work for this block, charged to it
+                f0 = time.thread_time()
+                m.flush()
+                flushed.append(time.thread_time() - f0)
             spent[arm] = [c() - t for c, t in zip(clocks, t0)]
         pairs.append(tuple(zip(spent["plain"], spent["inst"])))
     ex = m.exchange
@@ -161,6 +173,9 @@ def rank_main(a):
             print(f"{label:20s} plain {plain / a.block_steps * 1e3:7.3f} ms/step, instrumented "
                   f"{diff / a.block_steps * 1e6:+7.1f} us/step = {diff / plain * 100:+.2f} % "
                   f"(95 % bootstrap {lo / plain * 100:+.2f} .. {hi / plain * 100:+.2f} %)")
+        if flushed:
+            print(f"records work (replay, encoding, send), charged above: "
+                  f"{sum(flushed) / (len(flushed) * a.block_steps) * 1e6:.1f} us CPU per step on rank 0")
         if ex: print(f"skew exchange (K={a.k}): {ex.windows_done} windows, "
               f"{ex.seconds / max(ex.windows_done, 1) * 1e3:.2f} ms each in its own thread, "
               f"payload 2 x {8 * a.k} bytes per rank")
@@ -205,6 +220,9 @@ def main():
                         "nothing initialized (noop), or nothing (same: A/A check of the method); "
                         "hook-only / calls-only split syncwatch into its gradient-wait "
                         "measurement and its phase/step calls")
+    p.add_argument("--uncharged", action="store_true",
+                   help="leave the records thread's work to its timer, where it lands in both "
+                        "arms and cancels out of the difference (the method before charging it)")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.rank_main:

@@ -87,7 +87,7 @@ def one_step(model, x) -> tuple[int, int]:
     return w1 - w, c1 - c
 
 
-def measure(n: int, path: str, models, x) -> dict:
+def measure(n: int, path: str, models, x) -> tuple[dict, float]:
     """Per arm, median (wall, CPU) step times in us. Arms: no syncwatch calls; the calls with
     nothing initialized (no-op); instrumented, model not watched; fully instrumented. The two
     models swap roles (watched / plain) every BLOCK steps, so that their own difference (memory
@@ -108,11 +108,14 @@ def measure(n: int, path: str, models, x) -> dict:
                     arms[arm].append(t)
         handle.remove()
     _state.set_monitor(None)
+    # the records thread's own CPU (replay, encoding, send) per step it recorded
+    records = time.clock_gettime(time.pthread_getcpuclockid(monitor._thread.ident))
+    records_per_step = records / max(monitor.totals.steps, 1) * 1e6
     monitor.flush()
     assert monitor.collective_sequence >= n, "the gradient wait was not measured"  # per bucket
     monitor.shutdown()
     return {arm: tuple(statistics.median(t[k] for t in v) / 1000 for k in (0, 1))
-            for arm, v in arms.items()}
+            for arm, v in arms.items()}, records_per_step
 
 
 def warm_cost(n: int, path: str, rounds: int = 5) -> float:
@@ -186,13 +189,15 @@ def main():
     try:
         for label, path in (("daemon present (reader process)", live),
                             ("daemon absent", os.path.join(d, "absent.sock"))):
-            r = measure(a.steps, path, models, x)
+            r, records = measure(a.steps, path, models, x)
             for k, clock in ((0, "wall"), (1, "thread CPU")):
                 base, noop, calls, full = (r[arm][k] for arm in ("base", "noop", "calls", "full"))
                 print(f"{label}, {clock}: baseline {base:.2f} us/step, instrumented {full:.2f}: "
                       f"cost {full - base:.2f} us/step, of which 6 phases + step() "
                       f"{calls - base:.2f} (the same calls not initialized: {noop - base:.2f}), "
                       f"hook-free gradient wait {full - calls:.2f}")
+            print(f"{label}: the records thread's CPU (replay, encoding, send) {records:.2f} us "
+                  f"per step recorded, beside the training thread")
         print(f"6 phases + step() in a hot loop, caches warm: {warm_cost(a.steps, live):.2f} us "
               f"per step over the same calls not initialized")
         base, inst = wrapper_cost(2 * a.steps, os.path.join(d, "absent.sock"))

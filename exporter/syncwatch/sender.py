@@ -59,7 +59,7 @@ def parse_udp(address: str) -> tuple[str, int]:
 
 class Sender:
     def __init__(self, path: str | None = None, udp: str | None = None,
-                 retry_seconds: float = 1.0, retry_queue: int = 256):
+                 retry_seconds: float = 1.0, retry_queue: int = 1024):
         """Send to the Unix datagram socket ``path`` (default ``$SYNCWATCH_SOCKET`` or
         ``/run/syncwatch/ingest.sock``), or to UDP ``host:port`` when ``udp`` (or ``$SYNCWATCH_UDP``)
         is set."""
