@@ -113,6 +113,24 @@ def test_congestion_episodes_raise_fabric_counters_on_every_node():
         assert episode[n][key] - before[n][key] == 119 * 256 * 2**20
 
 
+def test_the_drivers_steps_tick_the_hardware_in_lockstep():
+    """Ticks run in the driver's thread after a step's records: the counters read right after
+    ``run()`` returns hold every step, with no tick by hand and no ticker thread (period 3600 s
+    for the thread, then 0: due after every step)."""
+    driver, hw = _setup("congestion", nodes=2, ranks=2)
+    hw.period = 0.0
+    metric = "syncwatch_ib_port_xmit_wait_total"
+    with hw:
+        before = _port(_read(hw, 1), metric)
+        for steps in (1, 98, 7, 20):              # through the first episode (steps 100-119)
+            driver.run(steps)
+            truth = driver.truth
+            quiet = truth.executed_steps - truth.congested_steps
+            assert _port(_read(hw, 1), metric) - before == (
+                quiet * QUIET_STEP["port_xmit_wait"] + truth.congested_steps * CONGESTED_STEP["port_xmit_wait"])
+    assert driver.truth.congested_steps == 20
+
+
 def test_energy_accumulates_power_and_idles_without_steps():
     driver, hw = _setup("healthy", nodes=1, ranks=1)
     uuid = gpu_uuid("sim-node-00", 0)

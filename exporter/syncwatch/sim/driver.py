@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..protocol import PHASES, Cumulative, Encoder, Identity
@@ -164,6 +165,9 @@ class Driver:
         self._window_steps: list[StepTruth] = []
         self._next_heartbeat = heartbeat_every
         self._t0 = time.monotonic()
+        self.after_step: list[Callable[[], None]] = []
+        """Callables run in the driver's thread after each step's records went out (no arguments):
+        what must move in lockstep with the records, such as the simulated hardware."""
         self.ranks: list[_Rank] = []
         self._spawn(attempt=0)
 
@@ -233,6 +237,8 @@ class Driver:
                     break
                 done += 1
                 self._step(event, last=steps > 0 and done == steps)
+                for fn in self.after_step:
+                    fn()
             else:
                 completed = True
         finally:

@@ -37,12 +37,29 @@ def write(path: Path, text: str) -> None:
     path.write_text(text + "\n")
 
 
-def bump(path: Path, by: int) -> None:
-    """Add ``by`` to the counter file ``path``, replacing it whole: a reader never sees it half
-    written (a sysfs attribute reads atomically)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{int(path.read_text()) + by}\n")
-    os.replace(tmp, path)
+class Counters:
+    """Counter attributes advanced by one writer, their values kept in memory.
+
+    ``bump(path, by)`` adds ``by`` to the counter file ``path`` (read once, on its first bump),
+    replacing the file whole: a reader never sees it half written (a sysfs attribute reads
+    atomically). Four system calls a bump, since each one lets other threads take the
+    interpreter lock: the simulator's hardware bumps dozens of files per tick."""
+
+    def __init__(self):
+        self._values: dict[Path, int] = {}
+
+    def bump(self, path: Path, by: int) -> None:
+        value = self._values.get(path)
+        if value is None:
+            value = int(path.read_text())
+        self._values[path] = value = value + by
+        tmp = f"{path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, b"%d\n" % value)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
 
 
 def nic(root: Path, dev: str, *, speed: str, operstate: str = "up", carrier_changes: int = 2,
