@@ -9,7 +9,8 @@ and again while another 448 ranks' state (512 in all) is scraped back to back.
 
 Then the instrumentation's own pattern: a rank's records thread sends the steps of the last
 0.2 s in one burst, so a rank with 0.2–1 ms steps sends bursts of 200–1000 records into the
-10-datagram Unix queue. 8 processes, each a ``Monitor`` with one phase per step, for 3 s.
+10-datagram Unix queue. 8 processes, each a ``Monitor`` with one phase per step, for 3 s; and
+1.5 s of 50 ms steps, then 0.2 ms steps at once (a job's slow first steps, then fast ones).
 """
 
 from __future__ import annotations
@@ -63,28 +64,32 @@ def rank_main(rank, mode, transport, address, start, out):
         out.put(lost)
 
 
-def monitor_rank(rank, address, seconds, step_seconds, out):
+def monitor_rank(rank, address, seconds, step_seconds, slow_seconds, out):
     from syncwatch.instrument.monitor import Monitor
     from syncwatch.protocol import Identity
     m = Monitor(Identity("fast", 0, rank, rank, MONITOR_RANKS, "n1", os.getpid()),
                 Sender(address), heartbeat_seconds=0)
-    steps, end = 0, time.monotonic() + seconds
+    steps, now = 0, time.monotonic()
+    slow_end, end = now + slow_seconds, now + slow_seconds + seconds
     while time.monotonic() < end:
         with m.phase("forward"):
-            time.sleep(step_seconds)
+            time.sleep(0.05 if time.monotonic() < slow_end else step_seconds)
         m.step(1)
         steps += 1
     m.shutdown()
     out.put((steps, m.sender.dropped))
 
 
-def run_monitors(step_seconds: float, seconds: float = 3.0) -> tuple[int, int, int]:
-    """Step records made, accepted by the daemon, and counted as dropped by the ranks."""
+def run_monitors(step_seconds: float, seconds: float = 3.0,
+                 slow_seconds: float = 0.0) -> tuple[int, int, int]:
+    """Step records made, accepted by the daemon, and counted as dropped by the ranks; the
+    first ``slow_seconds`` with 50 ms steps."""
     d = DaemonProcess()
     try:
         ctx = mp.get_context("fork")
         out = ctx.Queue()
-        procs = [ctx.Process(target=monitor_rank, args=(r, d.socket, seconds, step_seconds, out))
+        procs = [ctx.Process(target=monitor_rank,
+                             args=(r, d.socket, seconds, step_seconds, slow_seconds, out))
                  for r in range(MONITOR_RANKS)]
         for p in procs:
             p.start()
@@ -152,9 +157,10 @@ def main() -> None:
         print(f"{transport:4s} {mode:6s}{during}: sent {sent}, daemon accepted {accepted}, "
               f"lost {sent - accepted} ({100 * (sent - accepted) / sent:.1f} %), "
               f"counted as dropped by the senders {lost}")
-    for step_seconds in (0.001, 0.0002):
-        made, accepted, dropped = run_monitors(step_seconds)
-        print(f"{MONITOR_RANKS} ranks' records threads, {step_seconds * 1e3:.1f} ms steps: "
+    for step_seconds, slow_seconds in ((0.001, 0.0), (0.0002, 0.0), (0.0002, 1.5)):
+        made, accepted, dropped = run_monitors(step_seconds, slow_seconds=slow_seconds)
+        after = f" after {slow_seconds:g} s of 50 ms steps" if slow_seconds else ""
+        print(f"{MONITOR_RANKS} ranks' records threads, {step_seconds * 1e3:.1f} ms steps{after}: "
               f"{made} step records, daemon accepted {accepted}, lost {made - accepted}, "
               f"counted as dropped by the ranks {dropped}")
 
