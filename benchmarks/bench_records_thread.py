@@ -65,7 +65,11 @@ def idle_wake_cost(seconds: float) -> float:
     a = torch.randn(128, 128)
     w = torch.randn(128, 128, requires_grad=True)
     stop = threading.Event()
-    thread = threading.Thread(target=lambda: [None for _ in iter(lambda: stop.wait(0.05), True)])
+
+    def idle():
+        while not stop.wait(0.05):
+            pass
+    thread = threading.Thread(target=idle)
     thread.start()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
