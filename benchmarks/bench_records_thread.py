@@ -17,18 +17,16 @@ period also makes longer bursts (``bench_burst.py``), which is why the period is
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "exporter"))
+import torch
+from _common import machine  # puts exporter/ on the path
 
-import torch  # noqa: E402
-
-from syncwatch.instrument.monitor import Monitor  # noqa: E402
-from syncwatch.protocol import Identity  # noqa: E402
-from syncwatch.sender import Sender  # noqa: E402
+from syncwatch.instrument.monitor import Monitor
+from syncwatch.protocol import Identity
+from syncwatch.sender import Sender
 
 IDENT = Identity(train_job="bench", attempt=0, rank=1, local_rank=1, world_size=4, node="n",
                  pid=os.getpid(), gpu=-1, gpu_uuid="")
@@ -88,6 +86,7 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     absent = os.path.join(tempfile.mkdtemp(), "absent.sock")
+    print(f"machine: {machine()}")
     print(f"records thread CPU per step, {a.rounds} runs of {a.seconds:g} s each (median [min-max])")
     for step_ms in (float(x) for x in a.steps_ms.split(",")):
         seen = {name: [] for name in POLICIES}
