@@ -160,8 +160,11 @@ def rank_main(a):
         ex.drain(5)
     elif a.arm != "full":
         ex = None
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, pairs)
+    # as a tensor: all_gather_object needs numpy, which torch does not install
+    mine = torch.tensor(pairs, dtype=torch.float64)  # pairs x clocks x (plain, inst)
+    tensors = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(tensors, mine)
+    gathered = [t.tolist() for t in tensors]
     if rank == 0:
         n = a.pairs * a.block_steps
         print(f"arm {a.arm}, world {dist.get_world_size()}, hidden {a.hidden}, batch {a.batch}, "
