@@ -43,7 +43,7 @@ CHECKPOINT = PHASE_INDEX["checkpoint"]
 _NPH = len(PHASE_INDEX)
 MAX_PENDING = 64  # lazily timed (CUDA) steps waiting for their events; beyond this the oldest go
 MAX_ENTRIES = 1 << 16  # hot-path entries waiting for the records thread (~4 k steps)
-# Each wake-up costs ~0.1 ms of CPU before any work (cold caches): 0.05 s cost 1.5x the CPU of
+# Each wake-up costs ~60 us of CPU before any work (cold caches): 0.05 s cost 1.5x the CPU of
 # 0.2 s; 1 s would cost less, but a job turning fast sends a second of steps in one burst and
 # loses records (benchmarks/bench_records_thread.py, bench_burst.py).
 FLUSH_SECONDS = 0.2
@@ -110,7 +110,10 @@ class Monitor:
         self.sync_since = 0
         self._ddp_in = self._ddp_out = 0  # DDP gradient syncs begun / ended
         self._coll_in = 0                # blocking wrapped collectives under way
-        self._stop = threading.Event()
+        # held until shutdown: the records thread sleeps in ``acquire(timeout=...)``, one C call
+        # (an ``Event.wait`` runs Condition's Python: 89 us of CPU a wake-up against 60 us)
+        self._stop = threading.Lock()
+        self._stop.acquire()
         self._thread = threading.Thread(target=self._run, args=(flush_seconds, heartbeat_seconds),
                                         name="syncwatch-records", daemon=True)
         self._thread.start()
@@ -416,7 +419,7 @@ class Monitor:
             self.heartbeat()  # alive from the start
         interval = min(flush_seconds, heartbeat_seconds) if beats else flush_seconds
         next_beat = time.monotonic() + heartbeat_seconds
-        while not self._stop.wait(interval):
+        while not self._stop.acquire(timeout=interval):
             self.flush()
             if beats and time.monotonic() >= next_beat:
                 self.heartbeat()
@@ -430,7 +433,7 @@ class Monitor:
         self._notes.bind()  # phases and steps from now on note nothing
         try:
             end = time.monotonic() + timeout
-            self._stop.set()
+            self._stop.release()
             self._thread.join(min(timeout, 0.5))
             self.flush()
             while self._pending and time.monotonic() < end:
