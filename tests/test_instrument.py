@@ -246,6 +246,16 @@ def test_the_training_thread_only_queues_entries_the_records_thread_sends(rx):
     m.shutdown()
 
 
+def test_shutdown_wakes_the_sleeping_records_thread_at_once(rx):
+    m = make_monitor(rx, flush_seconds=60)  # asleep for a minute unless shutdown wakes it
+    m.step(8)
+    time.sleep(0.05)  # the thread is in its sleep
+    t0 = time.monotonic()
+    m.shutdown()
+    assert time.monotonic() - t0 < 1.0 and not m._thread.is_alive()
+    assert wait_for(lambda: rx.of(EndRecord)) and len(steps(rx, 1)) == 1
+
+
 class Collected:
     """A sender that keeps every datagram (the replay's output, byte for byte)."""
 
