@@ -25,8 +25,9 @@ drifts by several percent with other jobs, so a total wall ratio cannot resolve 
   to it (on the training thread, a conservative stand-in for the records thread's CPU and
   interpreter lock). Ten ~23 ms steps make a block of ~0.2 s, the records thread's own period,
   so the charged flush pays its cold start as often as the records thread does (4-step blocks
-  paid it 2.5 times as often: 35-46 against 19-20 us of records work per step). Records go to an absent daemon: the send fails fast (a real one is a
-  ~2 us syscall, and the daemon's own work is not the rank's).
+  paid it 2.5 times as often: 35-46 against 19-20 us of records work per step). Records go
+  to an absent daemon: the send fails fast (a real one is a ~2 us syscall, and the daemon's own
+  work is not the rank's).
 * Three figures per block: wall time (``perf_counter``), the training thread's CPU time
   (``thread_time``: forward, backward compute, optimizer and all syncwatch calls on that
   thread; it excludes gloo's threads and time spent waiting, so other jobs on the machine

@@ -43,9 +43,9 @@ CHECKPOINT = PHASE_INDEX["checkpoint"]
 _NPH = len(PHASE_INDEX)
 MAX_PENDING = 64  # lazily timed (CUDA) steps waiting for their events; beyond this the oldest go
 MAX_ENTRIES = 1 << 16  # hot-path entries waiting for the records thread (~4 k steps)
-# Each wake-up costs ~60 us of CPU before any work (cold caches): 0.05 s cost 1.5x the CPU of
-# 0.2 s; 1 s would cost less, but a job turning fast sends a second of steps in one burst and
-# loses records (benchmarks/bench_records_thread.py, bench_burst.py).
+# Each wake-up costs ~60 us of CPU before any work (cold caches): every 0.05 s cost twice the CPU
+# per step of every 0.2 s (6 ms steps); 1 s would cost less, but a job turning fast sends a second
+# of steps in one burst and loses records (benchmarks/bench_records_thread.py, bench_burst.py).
 FLUSH_SECONDS = 0.2
 
 # Entry codes. A phase's start is its index, its end the index + EXIT. Layouts:
