@@ -1,15 +1,17 @@
 """End-to-end overhead of the instrumentation on a 4-rank CPU DDP loop, and the skew exchange.
 
     python benchmarks/instrument_ddp_overhead.py [--world 4] [--pairs 150] [--block-steps 10] \
-        [--arm full|noop|same|hook-only|calls-only]
+        [--arm full|auto|noop|same|hook-only|calls-only]
 
 Same processes, same run: every rank holds two identical DDP models, one plain (DDP's built-in
 all-reduce, no syncwatch calls) and one "instrumented" (``--arm full``: ``register``, i.e. the
 hook-free gradient wait and the collective wrappers, six phases, ``step``, exact skew exchange
-every K = 50 steps; ``--arm noop``: the same calls with nothing initialized; ``--arm same``: the
-plain step in both blocks, the A/A check that shows the method's own noise floor; the other
-arms split syncwatch into its parts). The two models swap roles
-every ``--swap`` pairs, so that a difference between the two instances themselves (memory
+every K = 50 steps; ``--arm auto``: the plain step's code, instrumented the way ``syncwatch-run``
+does it (DDP's patched ``forward``, optimizer hooks), with the same gradient wait, wrappers and
+exchange; ``--arm noop``: the same calls with nothing initialized; ``--arm same``: the plain
+step in both blocks, the A/A check that shows the method's own noise floor; the other arms
+split syncwatch into its parts). The two models swap roles every ``--swap`` pairs, so that a
+difference between the two instances themselves (memory
 placement: ~1 % in an A/A run without swapping) cancels.
 
 Method, and why. On a shared 2-core VM running 4 ranks, the wall time of a block of steps
@@ -64,6 +66,7 @@ def rank_main(a):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import syncwatch.instrument as sw
+    from syncwatch.instrument import auto
     from syncwatch.instrument.notes import Notes
 
     torch.set_num_threads(1)
@@ -76,12 +79,16 @@ def rank_main(a):
                                   nn.Linear(a.hidden, a.hidden)))
         return model, torch.optim.SGD(model.parameters(), lr=0.01)
     models = make(), make()
-    m = sw.init(exchange_every=a.k if a.arm == "full" else 0, job="bench")
-    watch = a.arm in ("full", "hook-only")
+    m = sw.init(exchange_every=a.k if a.arm in ("full", "auto") else 0, job="bench")
+    watch = a.arm in ("full", "auto", "hook-only")
     if watch:
         sw.register(collectives=True)
-    if a.arm not in ("full", "hook-only", "calls-only"):
+    if a.arm not in ("full", "auto", "hook-only", "calls-only"):
         sw.shutdown()
+    steps = None
+    if a.arm == "auto":  # DDP's forward patched as syncwatch-run does, after the models are
+        steps = auto._Steps(m)  # built (its __init__ would attach both); see swap_roles()
+        auto._patch_ddp_module(sys.modules[DDP.__module__])
     phase, end_step = sw.phase, sw.step
     if a.arm == "hook-only":
         idle = Notes(0, time.time)  # never bound: the same calls, noting nothing
@@ -93,15 +100,15 @@ def rank_main(a):
     def in_flight():  # a skew exchange runs meanwhile
         return m.exchange.in_flight() if m is not None and m.exchange else False
 
-    def plain_step(model, opt):
+    def plain_step(model, opt, label="plain"):
         busy, t0 = in_flight(), time.perf_counter()
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        step_times["plain"][busy].append(time.perf_counter() - t0)
+        step_times[label][busy].append(time.perf_counter() - t0)
 
-    def inst_step(model, opt):
+    def explicit_step(model, opt):
         busy, t0 = in_flight(), time.perf_counter()
         with phase("data"):
             pass
@@ -119,15 +126,26 @@ def rank_main(a):
         end_step(a.batch)
         step_times["inst"][busy].append(time.perf_counter() - t0)
 
-    role, handle = 0, None  # models[role] is the instrumented one
+    # zero-code mode: the hooks do it all, so the instrumented block runs the plain code
+    inst_step = (lambda model, opt: plain_step(model, opt, "inst")) if a.arm == "auto" \
+        else explicit_step
+
+    role, handles = 0, []  # models[role] is the instrumented one
 
     def swap_roles():
-        nonlocal role, handle
+        nonlocal role
         role = 1 - role
+        while handles:
+            handles.pop().remove()
+        model, opt = models[role]
         if watch:
-            if handle is not None:
-                handle.remove()
-            handle = sw.register(models[role][0], collectives=False)
+            handles.append(sw.register(model, collectives=False))
+        if steps is not None:  # what auto._attach adds, with the optimizer hooks on this
+            steps.optimizer_id = None  # model's optimizer (_attach registers them globally)
+            models[1 - role][0].__dict__.pop(auto.ATTACHED, None)
+            model.__dict__[auto.ATTACHED] = steps
+            handles.extend((opt.register_step_pre_hook(steps.optimizer_pre),
+                            opt.register_step_post_hook(steps.optimizer_post)))
 
     swap_roles()
     for _ in range(5):  # warm-up (DDP rebuilds buckets after the first iteration)
@@ -135,7 +153,8 @@ def rank_main(a):
             swap_roles()
             inst_step(*models[role])
             plain_step(*models[1 - role])
-    live = a.arm in ("full", "hook-only", "calls-only") and not a.uncharged  # charge records work
+    # charge the records work
+    live = a.arm in ("full", "auto", "hook-only", "calls-only") and not a.uncharged
     flushed = []  # training-thread CPU of each instrumented block's closing flush()
     rng = random.Random(a.seed)  # the same order on every rank
     clocks = (time.perf_counter, time.thread_time, time.process_time)
@@ -158,6 +177,8 @@ def rank_main(a):
                 flushed.append(time.thread_time() - f0)
             spent[arm] = [c() - t for c, t in zip(clocks, t0)]
         pairs.append(tuple(zip(spent["plain"], spent["inst"])))
+    if steps is not None and m.last_step < a.pairs * a.block_steps:
+        sys.exit(f"zero-code mode ended {m.last_step} steps, not {a.pairs * a.block_steps}")
     ex = m.exchange
     if ex:
         ex.drain(5)
@@ -222,10 +243,11 @@ def main():
     p.add_argument("--k", type=int, default=50)
     p.add_argument("--swap", type=int, default=10,
                    help="pairs between swaps of the two models' roles (instrumented / plain)")
-    p.add_argument("--arm", choices=("full", "hook-only", "calls-only", "noop", "same"),
+    p.add_argument("--arm", choices=("full", "auto", "hook-only", "calls-only", "noop", "same"),
                    default="full",
                    help="what the instrumented model gets: syncwatch (full), the API calls with "
                         "nothing initialized (noop), or nothing (same: A/A check of the method); "
+                        "auto: zero-code mode's hooks on the plain step's code; "
                         "hook-only / calls-only split syncwatch into its gradient-wait "
                         "measurement and its phase/step calls")
     p.add_argument("--uncharged", action="store_true",

@@ -15,7 +15,10 @@ symbols, as pyenv and python.org builds do). Arms:
 * ``noop``: six ``with phase(...)`` blocks and ``step()``, nothing initialized (the cost of the
   calls themselves, which any context-manager API has);
 * ``calls``: the same, initialized: each call notes an entry;
-* ``full``: and the model's gradient wait is measured (hook-free).
+* ``full``: and the model's gradient wait is measured (hook-free);
+* ``opt``: ``base`` followed by ``zero_grad()`` and an SGD ``step()``, the baseline of
+* ``auto``: the same step under zero-code mode (what ``syncwatch-run`` installs: DDP's patched
+  ``forward``, optimizer hooks, the hook-free gradient wait and the collective wrappers).
 
 ``noop``, ``calls`` and ``full`` run with the C notes and again with ``SYNCWATCH_PURE_PYTHON=1``.
 Printed: instructions per step, and over ``base``. Instructions are not time: after a backward
@@ -33,7 +36,7 @@ import sys
 
 HERE = os.path.abspath(__file__)
 ARMS = [("base", ""), ("noop", "C"), ("noop", "Python"), ("calls", "C"), ("calls", "Python"),
-        ("full", "C"), ("full", "Python")]
+        ("full", "C"), ("full", "Python"), ("opt", ""), ("auto", "C")]
 WARMUP = 20
 
 
@@ -45,7 +48,7 @@ def run_arm(arm: str, steps: int) -> None:
     import torch.distributed as dist
 
     import instrument_hot_path as hot
-    from syncwatch.instrument import _state, notes
+    from syncwatch.instrument import _state, auto, notes
     from syncwatch.instrument.hooks import watch_gradients
     from syncwatch.instrument.monitor import Monitor
     from syncwatch.protocol import Identity
@@ -53,20 +56,29 @@ def run_arm(arm: str, steps: int) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if arm == "auto":  # as syncwatch-run's sitecustomize does; the model's __init__ attaches it
+        os.environ.update(SYNCWATCH_SOCKET=os.path.join(os.path.dirname(HERE), "absent.sock"),
+                          SYNCWATCH_JOB="bench", SYNCWATCH_HEARTBEAT="0")
+        auto.install()
     model = hot.make_model(find_unused=False, hidden=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(2, 4)
-    monitor = None
-    if arm != "base":
+    monitor = _state.monitor
+    if arm not in ("base", "opt", "auto"):
         monitor = Monitor(Identity("bench", 0, 0, 0, 4, "n1", os.getpid()),
                           Sender(os.path.join(os.path.dirname(HERE), "absent.sock")),
                           heartbeat_seconds=0)
         _state.set_monitor(None if arm == "noop" else monitor)
     if arm == "full":
         watch_gradients(model)
-    step_fn = hot.plain_step if arm == "base" else hot.one_step
+    step_fn = hot.plain_step if arm in ("base", "opt", "auto") else hot.one_step
+    with_opt = arm in ("opt", "auto")
 
     def step(_):
         step_fn(model, x)
+        if with_opt:
+            opt.step()
+            opt.zero_grad()
 
     for i in range(WARMUP):
         step(i)
@@ -74,7 +86,9 @@ def run_arm(arm: str, steps: int) -> None:
     if monitor is not None:
         _state.set_monitor(None)
         monitor.flush()
-        assert arm != "full" or monitor.collective_sequence >= steps, "no gradient wait measured"
+        assert arm not in ("full", "auto") or monitor.collective_sequence >= steps, \
+            "no gradient wait measured"
+        assert arm != "auto" or monitor.last_step >= steps, "zero-code mode ended no step"
     print(f"notes: {notes.IMPLEMENTATION}", flush=True)
     os._exit(0)  # no teardown: nothing after the counted steps matters
 
@@ -117,6 +131,9 @@ def main():
         print(f"notes in {impl}: instrumented +{full - base:,.0f} per step over the baseline: "
               f"the calls themselves (nothing initialized) +{noop - base:,.0f}, noting the 6 "
               f"phases and step() +{calls - noop:,.0f}, hook-free gradient wait +{full - calls:,.0f}")
+    opt = per[("opt", "")]
+    print(f"zero-code mode (syncwatch-run): +{per[('auto', 'C')] - opt:,.0f} per step over the "
+          f"same step with an SGD step ({opt:,.0f})")
 
 
 if __name__ == "__main__":

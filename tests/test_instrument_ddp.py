@@ -187,6 +187,11 @@ def test_zero_code_change_under_syncwatch_run(daemon, sock_path, tmp_path):
     assert min(step_s.values()) >= steps * delay
     sync = m.by_rank("syncwatch_phase_seconds_total", train_job="zc", phase="sync")
     assert sync[0] >= 0.8 * steps * delay > sync[1]   # rank 0 waits for the slow rank 1
+    # rank 1 sleeps just before calling DDP: in "data" (since the optimizer step), not "forward"
+    data = m.by_rank("syncwatch_phase_seconds_total", train_job="zc", phase="data")
+    forward = m.by_rank("syncwatch_phase_seconds_total", train_job="zc", phase="forward")
+    assert data[1] >= steps * delay > data[0]
+    assert 0 < forward[1] < 0.5 * steps * delay and forward[0] > 0
     last = m.by_rank("syncwatch_last_arrivals_total", train_job="zc")
     assert last[1] > last[0]
     assert m.get("syncwatch_step_duration_seconds_count", train_job="zc")
