@@ -198,6 +198,37 @@ def test_zero_code_change_under_syncwatch_run(daemon, sock_path, tmp_path):
     assert m.get("syncwatch_sync_wait_seconds_count", train_job="zc")
 
 
+def test_zero_code_change_under_torch_compile_changes_no_result(daemon, sock_path, tmp_path):
+    """torch.compile traces DDP's patched forward (and breaks its graph there): the weights and
+    gradients are those of the same compiled script run without syncwatch, and steps are seen."""
+    steps, world = 12, 2
+    outs = {k: tmp_path / k for k in ("plain", "zc")}
+    for kind, out in outs.items():
+        out.mkdir()
+        wrap = [sys.executable, "-m", "syncwatch.instrument.run", "--job", "zcc"] \
+            if kind == "zc" else []
+        with open(tmp_path / f"{kind}.log", "w") as log:
+            proc = subprocess.run(
+                [*wrap, sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", str(world), WORKER, "--steps", str(steps),
+                 "--compile", "aot_eager", "--out", str(out)],
+                env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log,
+                stderr=subprocess.STDOUT, timeout=180)
+        assert proc.returncode == 0, (tmp_path / f"{kind}.log").read_text()[-3000:]
+    for a, b in zip(load(outs["plain"], world), load(outs["zc"], world)):
+        for k in a["weights"]:
+            assert torch.equal(a["weights"][k], b["weights"][k]), k
+        for ga, gb in zip(a["grads"], b["grads"]):
+            assert torch.equal(ga, gb)
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job="zcc")
+                     == {0: steps, 1: steps})
+    assert m.by_rank("syncwatch_steps_total", train_job="zcc") == {0: steps, 1: steps}
+    assert m.by_rank("syncwatch_samples_total", train_job="zcc") == {0: 32 * steps, 1: 32 * steps}
+    assert min(m.by_rank("syncwatch_phase_seconds_total", train_job="zcc",
+                         phase="forward").values()) > 0
+    assert m.get("syncwatch_sync_wait_seconds_count", train_job="zcc")
+
+
 def test_rank_stuck_in_a_collective_stays_alive_and_behind(daemon, sock_path, tmp_path):
     job = "hang"
     procs = launch(4, ["--instrument", "explicit", "--steps", "100", "--hang-rank", "1",

@@ -28,6 +28,8 @@ def main():
     p.add_argument("--bucket-mb", type=float, default=None)
     p.add_argument("--step-pause", type=float, default=0.0)
     p.add_argument("--out", default=None)
+    p.add_argument("--compile", default=None, metavar="BACKEND",
+                   help="train through torch.compile(ddp, backend=BACKEND)")
     a = p.parse_args()
 
     torch.set_num_threads(1)
@@ -37,6 +39,7 @@ def main():
     model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
     kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
     ddp = DDP(model, **kw)
+    net = torch.compile(ddp, backend=a.compile) if a.compile else ddp
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     hang_group = dist.new_group([0, 1]) if a.hang_rank >= 0 else None
 
@@ -58,7 +61,7 @@ def main():
         with phase("forward"):
             if rank == a.slow_rank:
                 time.sleep(a.delay)
-            loss = nn.functional.mse_loss(ddp(x), y)
+            loss = nn.functional.mse_loss(net(x), y)
         with phase("backward"):
             opt.zero_grad()
             loss.backward()
