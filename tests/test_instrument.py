@@ -1,5 +1,6 @@
 """Unit tests of the rank-side instrumentation (single process; real sockets, real decoder)."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -324,15 +325,17 @@ def test_a_burst_of_entries_replays_as_they_do_one_at_a_time(seed):
     assert outcomes[0] == outcomes[1] == outcomes[2]
 
 
-def test_a_records_thread_that_falls_behind_costs_bounded_memory(tmp_path):
+def test_a_records_thread_that_falls_behind_costs_bounded_memory(tmp_path, caplog):
     from syncwatch.instrument.monitor import MAX_ENTRIES
     m = Monitor(IDENT, Sender(str(tmp_path / "nobody.sock")), heartbeat_seconds=0,
                 flush_seconds=60)
     for _ in range(MAX_ENTRIES + 10):
         m.step(1)
     assert len(m._entries) == MAX_ENTRIES  # the oldest entries went
-    m.flush()
+    with caplog.at_level(logging.WARNING, logger="syncwatch.instrument"):
+        m.flush()
     assert m.errors == 1 and m.totals.steps == MAX_ENTRIES
+    assert "OverflowError: the records thread fell behind" in caplog.text  # says what happened
     m.shutdown()
 
 
