@@ -171,8 +171,8 @@ class Monitor:
         with self._lock:
             entries = self._entries
             if len(entries) >= MAX_ENTRIES:  # the records thread fell behind: the oldest are gone
-                self._error(OverflowError(f"the records thread fell behind: more than "
-                                          f"{MAX_ENTRIES} entries waited, the oldest dropped"))
+                self._error(OverflowError(f"the records thread fell behind: its queue filled "
+                                          f"up ({MAX_ENTRIES} entries), the oldest dropped"))
             host = time.perf_counter_ns()  # lazy marks are events: "now" is the host time
             lazy, stack, pop = self._lazy, self._stack, entries.popleft
             while entries:
