@@ -575,6 +575,56 @@ def test_register_handle_remove_restores_torch_distributed():
     assert {name: getattr(dist, name) for name in COLLECTIVES} == before
 
 
+def test_every_wrapped_collective_is_counted_and_timed_only_when_blocking(rx, ddp_world1):
+    """Each collective of torch 2.13 that syncwatch wraps (FSDP's ``*_single`` included), on a
+    real gloo group: a blocking call notes a timed collective, ``async_op=True`` given by
+    position (where the signature puts it) only bumps the sequence."""
+    torch = ddp_world1
+    dist = torch.distributed
+    import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
+    from syncwatch.instrument.hooks import COLLECTIVES
+    from syncwatch.instrument.monitor import COLL, COLL_END, SEQ
+
+    def t():
+        return torch.arange(4.0)
+    args = {  # the positional arguments before async_op
+        "all_reduce": lambda: (t(), dist.ReduceOp.SUM, None),
+        "reduce_scatter": lambda: (t(), [t()], dist.ReduceOp.SUM, None),
+        "reduce_scatter_tensor": lambda: (t(), t(), dist.ReduceOp.SUM, None),
+        "reduce_scatter_single": lambda: (t(), t(), dist.ReduceOp.SUM, None),
+        "all_gather": lambda: ([t()], t(), None),
+        "all_gather_into_tensor": lambda: (t(), t(), None),
+        "all_gather_single": lambda: (t(), t(), None),
+        "all_to_all": lambda: ([t()], [t()], None),
+        "all_to_all_single": lambda: (t(), t(), None, None, None),
+        "broadcast": lambda: (t(), 0, None),
+        "reduce": lambda: (t(), 0, dist.ReduceOp.SUM, None),
+        "gather": lambda: (t(), [t()], 0, None),
+        "scatter": lambda: (t(), [t()], 0, None),
+        "barrier": lambda: (None,),
+    }
+    assert set(args) == set(COLLECTIVES)
+    m = make_monitor(rx, flush_seconds=3600)  # the entries stay where the test reads them
+    _state.set_monitor(m)
+    handle = sw.register(collectives=True)
+    try:
+        for name, make in args.items():
+            m._entries.clear()
+            fn = getattr(dist, name)
+            assert fn._syncwatch_original is not fn
+            assert fn(*make()) is None, name
+            fn(*make(), True).wait()
+            assert [e[0] for e in m._entries] == [COLL, COLL_END, SEQ], name
+        x = t()
+        dist.all_reduce(x)
+        assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
+    finally:
+        handle.remove()
+        _state.set_monitor(None)
+        m.shutdown()
+
+
 def test_ddp_hook_wrapper_times_buckets_and_passes_through_when_detached(rx):
     torch = pytest.importorskip("torch")
     from syncwatch.instrument import _state
@@ -732,6 +782,32 @@ def test_removed_handle_detaches_the_gradient_hooks(rx, ddp_world1):
         train_step(m, ddp, torch, x)
         assert steps(rx, 3)[2].collective_sequence == 2
         again.remove()
+    finally:
+        _state.set_monitor(None)
+        m.shutdown()
+
+
+def test_register_takes_an_fsdp_model_as_its_wrapped_collectives(rx, ddp_world1, caplog):
+    torch = ddp_world1
+    import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    m = make_monitor(rx)
+    _state.set_monitor(m)
+    models = [fully_shard(torch.nn.Linear(4, 4)),
+              FullyShardedDataParallel(torch.nn.Linear(4, 4), device_id=torch.device("cpu"))]
+    try:
+        for model in models:
+            handle = sw.register(model)
+            assert torch.distributed.all_gather_single._syncwatch_original
+            assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+            handle.remove()
+            assert not hasattr(torch.distributed.all_gather_single, "_syncwatch_original")
+        assert m.errors == 0 and not caplog.text
+        sw.register(models[0], collectives=False)
+        assert m.errors == 0 and "none of them is measured" in caplog.text
+        sw.register(models[1], hook=lambda state, bucket: None)  # a DDP comm hook: refused
+        assert m.errors == 1 and "not FSDP's" in caplog.text
     finally:
         _state.set_monitor(None)
         m.shutdown()

@@ -114,6 +114,60 @@ def test_straggler_is_named_by_exact_slack_and_last_arrivals(daemon, sock_path, 
     assert below <= 0.1 * count  # the skew sits at the injected delay, not below it
 
 
+@pytest.mark.parametrize("wrap", ["fully_shard", "fsdp"])
+def test_fsdp_straggler_is_named_through_its_wrapped_collectives(daemon, sock_path, tmp_path, wrap):
+    """FSDP (``fully_shard`` and ``FullyShardedDataParallel``) with the explicit API: nothing is
+    attached to the model, its all-gathers and reduce-scatters are wrapped collectives, and the
+    slow rank's delay is the others' wait before the first all-gather of the forward."""
+    job, steps = f"straggler-{wrap}", 60
+    procs = launch(4, ["--instrument", "explicit", "--wrap", wrap, "--steps", str(steps),
+                       "--slow-rank", "2", "--delay", str(DELAY)], tmp_path, job,
+                   SYNCWATCH_SOCKET=sock_path, SYNCWATCH_JOB=job, SYNCWATCH_SKEW_EVERY="10")
+    finish(procs, tmp_path, job)
+    every = {r: float(steps) for r in range(4)}
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)
+    assert m.by_rank("syncwatch_steps_total", train_job=job) == every
+    for r in range(4):  # registering an FSDP model is no error
+        text = (tmp_path / f"{job}-rank{r}.log").read_text()
+        assert "could not register" not in text and "internal error" not in text, text[-2000:]
+    sync = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="sync")
+    for r in (0, 1, 3):  # every rank waits in FSDP's collectives; the others for rank 2 too
+        assert sync[r] - sync[2] == pytest.approx(steps * DELAY, rel=0.15), sync
+    forward = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="forward")
+    for r in (0, 1, 3):  # the wait is sync, not forward
+        assert forward[2] >= steps * DELAY > 2 * forward[r], forward
+    last = m.by_rank("syncwatch_last_arrivals_total", train_job=job)
+    exchanged = sum(last.values())
+    assert exchanged >= 40
+    assert last[2] >= 0.9 * exchanged, last
+    slack = m.by_rank("syncwatch_slack_seconds_total", train_job=job)
+    for r in (0, 1, 3):
+        assert slack[r] / exchanged == pytest.approx(DELAY, rel=0.10), (r, slack, exchanged)
+    count = m.value("syncwatch_barrier_skew_seconds_count", train_job=job)
+    total = m.value("syncwatch_barrier_skew_seconds_sum", train_job=job)
+    assert count >= 40 and 0.9 * DELAY <= total / count <= 1.3 * DELAY
+
+
+@pytest.mark.parametrize("wrap", ["fully_shard", "fsdp"])
+def test_fsdp_results_identical_with_and_without_syncwatch(sock_path, tmp_path, wrap):
+    args = ["--wrap", wrap, "--steps", "15", "--slow-rank", "1", "--delay", "0.005"]
+    world = 3  # FSDP pads the shards of 3 ranks
+    outs = {k: tmp_path / k for k in ("plain", "explicit")}
+    for o in outs.values():
+        o.mkdir()
+    plain = launch(world, [*args, "--out", str(outs["plain"])], tmp_path, "plain")
+    finish(plain, tmp_path, "plain")
+    explicit = launch(world, [*args, "--instrument", "explicit", "--out", str(outs["explicit"])],
+                      tmp_path, "explicit", SYNCWATCH_SOCKET=sock_path, SYNCWATCH_SKEW_EVERY="5")
+    finish(explicit, tmp_path, "explicit")
+    for a, b in zip(load(outs["plain"], world), load(outs["explicit"], world)):
+        assert a["weights"].keys() == b["weights"].keys() and a["weights"]
+        for k in a["weights"]:
+            assert torch.equal(a["weights"][k], b["weights"][k]), k
+        for ga, gb in zip(a["grads"], b["grads"], strict=True):
+            assert torch.equal(ga, gb)
+
+
 def load(out: Path, world: int):
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 

@@ -1,4 +1,4 @@
-"""One rank of a small CPU DDP training job, for the instrumentation tests and benchmarks.
+"""One rank of a small CPU DDP (or FSDP) training job, for the instrumentation tests and benchmarks.
 
 Launched once per rank with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment (like
 torchrun does) or by torchrun itself. ``--instrument none`` is an unmodified script: it never
@@ -30,6 +30,9 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--compile", default=None, metavar="BACKEND",
                    help="train through torch.compile(ddp, backend=BACKEND)")
+    p.add_argument("--wrap", choices=("ddp", "fsdp", "fully_shard"), default="ddp",
+                   help="DistributedDataParallel, FullyShardedDataParallel, or fully_shard on "
+                        "each layer and the whole model")
     a = p.parse_args()
 
     torch.set_num_threads(1)
@@ -37,8 +40,17 @@ def main():
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
-    kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
-    ddp = DDP(model, **kw)
+    if a.wrap == "fsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        ddp = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+    elif a.wrap == "fully_shard":
+        from torch.distributed.fsdp import fully_shard
+        for layer in (model[0], model[2], model):
+            fully_shard(layer)
+        ddp = model
+    else:
+        kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
+        ddp = DDP(model, **kw)
     net = torch.compile(ddp, backend=a.compile) if a.compile else ddp
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     hang_group = dist.new_group([0, 1]) if a.hang_rank >= 0 else None
@@ -65,7 +77,7 @@ def main():
         with phase("backward"):
             opt.zero_grad()
             loss.backward()
-        grads = [q.grad.clone() for q in model.parameters()]
+        grads = [_local(q.grad).clone() for q in ddp.parameters()]
         with phase("optimizer"):
             opt.step()
         if sw:
@@ -74,11 +86,17 @@ def main():
             time.sleep(a.step_pause)
 
     if a.out:
-        torch.save({"weights": model.state_dict(), "grads": grads},
+        weights = {n: _local(q.detach()).clone() for n, q in ddp.named_parameters()}
+        torch.save({"weights": weights, "grads": grads},
                    os.path.join(a.out, f"rank{rank}.pt"))
     if sw:
         sw.shutdown()
     dist.destroy_process_group()
+
+
+def _local(t):
+    """This rank's part of a parameter or gradient (FSDP's are sharded; DDP's are whole)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class _NoPhase:

@@ -180,14 +180,19 @@ def register(model=None, *, hook=None, state=None, collectives: bool = True) -> 
     """Measure the gradient wait of a DDP ``model`` and, with ``collectives``, wrap the
     torch.distributed collectives. Without ``hook``, DDP keeps its built-in all-reduce (or any
     comm hook the script registers) and nothing runs per bucket; with ``hook``, it is registered
-    as the model's comm hook (with ``state``) through ``ddp_hook_wrapper``. Never raises: what
-    could not be attached is logged and counted."""
+    as the model's comm hook (with ``state``) through ``ddp_hook_wrapper``. An FSDP model
+    (``FullyShardedDataParallel`` or ``fully_shard``) needs nothing attached: its all-gathers and
+    reduce-scatters are wrapped collectives. Never raises: what could not be attached is logged
+    and counted."""
     from . import hooks
     handle = Handle()
     try:
         if model is not None:
-            h = hooks.register_ddp(model, hook, state)
+            h = hooks.register_model(model, hook, state)
             handle.add(h.remove)
+            if not collectives and hooks.is_fsdp(model):
+                log.warning("syncwatch: an FSDP model's waits are its collectives': with "
+                            "collectives=False none of them is measured")
         if collectives:
             h = hooks.patch_collectives()
             handle.add(h.remove)

@@ -17,23 +17,29 @@ collective is done); the last bucket's difference is the wait. Any Python comm h
 extra pass over each bucket (DDP's built-in fuses the 1/world scaling into its copy) and Python
 on the autograd and communication threads, which the hook-free path avoids.
 
-The collective wrappers replace ``all_reduce``, ``reduce_scatter``, ``reduce_scatter_tensor``,
-``all_gather``, ``all_gather_into_tensor``, ``broadcast`` and ``barrier`` in ``torch.distributed``
-(callers that look them up there: ``dist.all_reduce(...)``; a name bound earlier with
+The collective wrappers replace the ``COLLECTIVES`` in ``torch.distributed`` that the installed
+torch has (callers that look them up there: ``dist.all_reduce(...)``; a name bound earlier with
 ``from torch.distributed import all_reduce`` keeps the original). Each call bumps the collective
-sequence; a blocking call is timed as ``sync``.
+sequence; a blocking call is timed as ``sync``. FSDP (``FullyShardedDataParallel`` and
+``fully_shard``) calls its all-gathers and reduce-scatters this way (``all_gather`` or
+``all_gather_single``, ``reduce_scatter_single`` in torch 2.13), so an FSDP model's waits are the
+wrapped collectives' and nothing else is attached to it.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 
 from . import _state
 from .monitor import READY
 
-# collective -> position of its ``async_op`` parameter
-COLLECTIVES = {"all_reduce": 3, "reduce_scatter": 4, "reduce_scatter_tensor": 4, "all_gather": 3,
-               "all_gather_into_tensor": 3, "broadcast": 3, "barrier": 1}
+# wrapped where the installed torch has them; the ``*_single`` names are torch 2.13's (FSDP's);
+# each one's ``async_op`` position is read from its signature
+COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+               "all_gather", "all_gather_into_tensor", "all_gather_single", "all_to_all",
+               "all_to_all_single", "broadcast", "reduce", "gather", "scatter", "barrier")
 WATCHED_PARAMETERS = 8  # hooked, where DDP allows unused parameters, so that at least one of
 # them gets a gradient in every backward; otherwise every parameter gets one and 1 is enough
 BUCKET_COUNT_READS = 3  # DDP rebuilds its buckets once, after its first iteration
@@ -86,7 +92,8 @@ def watch_gradients(model) -> Handle:
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel):
-        raise TypeError(f"not a DistributedDataParallel model: {type(model).__name__}")
+        raise TypeError(f"neither a DistributedDataParallel nor an FSDP model: "
+                        f"{type(model).__name__}")
     handle = Handle()
     if getattr(model, "_syncwatch_watched", False):
         return handle
@@ -163,8 +170,23 @@ def ddp_hook_wrapper(hook, _enabled=None):
     return syncwatch_wrapper_hook
 
 
-def register_ddp(model, hook=None, state=None) -> Handle:
-    """Measure ``model``'s gradient wait: hook-free, or with ``hook`` through the wrapper."""
+def is_fsdp(model) -> bool:
+    """Whether ``model`` is FSDP's: a ``FullyShardedDataParallel`` or a module that
+    ``fully_shard`` was applied to."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kinds = tuple(k for k in (getattr(fsdp, "FullyShardedDataParallel", None),
+                              getattr(fsdp, "FSDPModule", None)) if isinstance(k, type))
+    return bool(kinds) and isinstance(model, kinds)
+
+
+def register_model(model, hook=None, state=None) -> Handle:
+    """Measure ``model``'s gradient wait. DDP: hook-free, or with ``hook`` through the wrapper.
+    FSDP: nothing to attach, its collectives are the wrapped ones (``patch_collectives``)."""
+    if is_fsdp(model):
+        if hook is not None:
+            raise TypeError("ddp_hook_wrapper wraps DDP comm hooks, not FSDP's: register an FSDP "
+                            "model without hook=")
+        return Handle()
     if hook is None:
         return watch_gradients(model)
     handle = Handle()
@@ -179,6 +201,12 @@ def original(name: str):
     import torch.distributed as dist
     fn = getattr(dist, name)
     return getattr(fn, "_syncwatch_original", fn)
+
+
+def _async_position(fn) -> int:
+    """The position of ``fn``'s ``async_op`` parameter (torch's logging decorators keep the
+    signature). Raises ``ValueError`` for a function without one."""
+    return list(inspect.signature(fn).parameters).index("async_op")
 
 
 def _wrap(orig, async_index: int):
@@ -196,11 +224,14 @@ def patch_collectives() -> Handle:
     """Wrap the collectives in ``torch.distributed``; the handle restores the originals."""
     import torch.distributed as dist
     handle = Handle()
-    for name, async_index in COLLECTIVES.items():
+    for name in COLLECTIVES:
         orig = getattr(dist, name, None)
         if orig is None or hasattr(orig, "_syncwatch_original"):
             continue
-        wrapper = _wrap(orig, async_index)
+        try:
+            wrapper = _wrap(orig, _async_position(orig))
+        except (TypeError, ValueError):  # a torch whose version of it has no async_op
+            continue
         setattr(dist, name, wrapper)
 
         def undo(name=name, orig=orig, wrapper=wrapper):
