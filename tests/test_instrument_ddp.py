@@ -283,6 +283,46 @@ def test_zero_code_change_under_torch_compile_changes_no_result(daemon, sock_pat
     assert m.get("syncwatch_sync_wait_seconds_count", train_job="zcc")
 
 
+@pytest.mark.parametrize("wrap", ["fully_shard", "fsdp"])
+def test_zero_code_change_with_fsdp(daemon, sock_path, tmp_path, wrap):
+    """``syncwatch-run`` on an unmodified FSDP script: the root's forward drives the phases (the
+    nested units switch nothing), FSDP's collectives are the sync wait, and the weights and
+    gradient shards are those of the same script run without syncwatch."""
+    steps, delay, world, job = 30, 0.03, 2, f"zc-{wrap}"
+    outs = {k: tmp_path / k for k in ("plain", "zc")}
+    for kind, out in outs.items():
+        out.mkdir()
+        wrapper = [sys.executable, "-m", "syncwatch.instrument.run", "--job", job,
+                   "--skew-every", "10"] if kind == "zc" else []
+        with open(tmp_path / f"{kind}.log", "w") as log:
+            proc = subprocess.run(
+                [*wrapper, sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", str(world), WORKER, "--wrap", wrap, "--steps", str(steps),
+                 "--slow-rank", "1", "--delay", str(delay), "--out", str(out)],
+                env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log,
+                stderr=subprocess.STDOUT, timeout=180)
+        assert proc.returncode == 0, (tmp_path / f"{kind}.log").read_text()[-3000:]
+    assert "syncwatch" not in (tmp_path / "zc.log").read_text()  # nothing logged: no error
+    for a, b in zip(load(outs["plain"], world), load(outs["zc"], world)):
+        for k in a["weights"]:
+            assert torch.equal(a["weights"][k], b["weights"][k]), k
+        for ga, gb in zip(a["grads"], b["grads"], strict=True):
+            assert torch.equal(ga, gb)
+    every = {0: steps, 1: steps}
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)
+    assert m.by_rank("syncwatch_steps_total", train_job=job) == every
+    assert m.by_rank("syncwatch_samples_total", train_job=job) == {0: 32 * steps, 1: 32 * steps}
+    sync = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="sync")
+    assert sync[0] - sync[1] >= 0.8 * steps * delay  # rank 0 waits for the slow rank 1
+    data = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="data")
+    forward = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="forward")
+    backward = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="backward")
+    assert data[1] >= steps * delay > data[0]  # rank 1 sleeps before calling the model
+    assert 0 < forward[1] < 0.5 * steps * delay and forward[0] > 0 and min(backward.values()) > 0
+    last = m.by_rank("syncwatch_last_arrivals_total", train_job=job)
+    assert last[1] > last[0]
+
+
 def test_rank_stuck_in_a_collective_stays_alive_and_behind(daemon, sock_path, tmp_path):
     job = "hang"
     procs = launch(4, ["--instrument", "explicit", "--steps", "100", "--hang-rank", "1",

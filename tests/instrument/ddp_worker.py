@@ -31,8 +31,8 @@ def main():
     p.add_argument("--compile", default=None, metavar="BACKEND",
                    help="train through torch.compile(ddp, backend=BACKEND)")
     p.add_argument("--wrap", choices=("ddp", "fsdp", "fully_shard"), default="ddp",
-                   help="DistributedDataParallel, FullyShardedDataParallel, or fully_shard on "
-                        "each layer and the whole model")
+                   help="DistributedDataParallel, or FSDP units for each layer and the whole "
+                        "model: FullyShardedDataParallel or fully_shard")
     a = p.parse_args()
 
     torch.set_num_threads(1)
@@ -42,7 +42,9 @@ def main():
     model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
     if a.wrap == "fsdp":
         from torch.distributed.fsdp import FullyShardedDataParallel
-        ddp = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        ddp = FullyShardedDataParallel(model, device_id=torch.device("cpu"),  # nested: each Linear
+                                       auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
     elif a.wrap == "fully_shard":
         from torch.distributed.fsdp import fully_shard
         for layer in (model[0], model[2], model):

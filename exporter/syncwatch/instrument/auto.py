@@ -1,20 +1,22 @@
 """Zero-code-change instrumentation: what ``syncwatch-run`` installs into an unmodified script.
 
 ``install()`` (run from the ``sitecustomize`` that ``syncwatch-run`` puts on ``PYTHONPATH``)
-waits for the program to import ``torch.nn.parallel.distributed`` and then patches
-``DistributedDataParallel.__init__`` and ``forward``. When a DDP model is built with
-``torch.distributed`` initialized (all ranks build it, so the side group of the skew exchange
-can be created there):
+waits for the program to import DDP or FSDP and then patches them (``PATCHES``):
+``DistributedDataParallel.__init__`` and ``forward``, ``FullyShardedDataParallel.__init__`` and
+``forward``, and ``fully_shard``. When a model is wrapped with ``torch.distributed``
+initialized (all ranks wrap it, so the side group of the skew exchange can be created there):
 
 * ``syncwatch.instrument.init()`` runs (identity from the launcher's environment);
-* the gradient wait is measured hook-free (``hooks.watch_gradients``): DDP keeps its built-in
-  all-reduce, or whatever comm hook the script registers (Python or built-in C++);
-* the torch.distributed collectives are wrapped (sequence numbers, waits outside DDP);
-* phases come from DDP's patched ``forward`` and from optimizer hooks: ``forward`` = the DDP
-  module's forward, ``optimizer`` = the optimizer's ``step()``, ``backward`` = from the end of
-  forward to the optimizer step (loss, backward, gradient clipping), ``data`` = from the
-  optimizer step to the next forward (loading, zero_grad, host-to-device copies); ``sync`` =
-  the measured collective waits, taken out of the others;
+* the torch.distributed collectives are wrapped (sequence numbers, waits outside DDP; FSDP's
+  all-gathers and reduce-scatters);
+* a DDP model's gradient wait is measured hook-free (``hooks.watch_gradients``): DDP keeps its
+  built-in all-reduce, or whatever comm hook the script registers (Python or built-in C++);
+* phases come from the model's forward and from optimizer hooks: ``forward`` = the DDP
+  module's forward (FSDP: the root's, the one wrapped last: FSDP wraps bottom-up),
+  ``optimizer`` = the optimizer's ``step()``, ``backward`` = from the end of forward to the
+  optimizer step (loss, backward, gradient clipping), ``data`` = from the optimizer step to the
+  next forward (loading, zero_grad, host-to-device copies); ``sync`` = the measured collective
+  waits, taken out of the others;
 * a step ends after each ``step()`` of the first optimizer that steps; samples = the batch
   dimension of the first tensor given to forward, summed over the forwards of the step.
 
@@ -34,25 +36,26 @@ from . import _state
 
 log = logging.getLogger("syncwatch.instrument")
 
-TARGET = "torch.nn.parallel.distributed"
-
-
 def install() -> None:
-    """Patch DDP now if it is imported, else as soon as it is. Never raises."""
+    """Patch DDP and FSDP now where imported, else as soon as they are. Never raises."""
     try:
-        if TARGET in sys.modules:
-            _patch_ddp_module(sys.modules[TARGET])
-        elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+        for name, patch in PATCHES.items():
+            if name in sys.modules:
+                patch(sys.modules[name])
+        if set(PATCHES) - set(sys.modules) and not any(isinstance(f, _Finder)
+                                                       for f in sys.meta_path):
             sys.meta_path.insert(0, _Finder())
     except Exception:
         log.warning("syncwatch: zero-code instrumentation not installed", exc_info=True)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Lets the real finders load ``TARGET`` and patches it right after it executes."""
+    """Lets the real finders load a module of ``PATCHES`` and patches it right after it
+    executes (before the package that re-exports its names binds them)."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET:
+        patch = PATCHES.get(fullname)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -63,30 +66,38 @@ class _Finder(importlib.abc.MetaPathFinder):
         def exec_module(module):
             real_exec(module)
             try:
-                _patch_ddp_module(module)
+                patch(module)
             except Exception:
-                log.warning("syncwatch: could not patch DDP", exc_info=True)
+                log.warning("syncwatch: could not patch %s", fullname, exc_info=True)
         loader.exec_module = exec_module
         return spec
 
 
 def _patch_ddp_module(module) -> None:
+    _patch_class(module.DistributedDataParallel, _attach)
+
+
+def _patch_fsdp_module(module) -> None:
+    _patch_class(module.FullyShardedDataParallel, _attach_fsdp)
+
+
+def _patch_class(cls, attach) -> None:
     """Patch the class, once: ``__init__`` attaches each new model, ``forward`` switches the
     phases of an attached one. Forward hooks would do the latter without a patch, but a module
     with hooks leaves ``nn.Module``'s fast call path: +18–19 k instructions a step, against a
     wrapper's one frame (``benchmarks/instrument_instructions.py``)."""
-    ddp_cls = module.DistributedDataParallel
-    if getattr(ddp_cls, "_syncwatch_patched", False):
+    if getattr(cls, "_syncwatch_patched", False):
         return
-    orig_init, orig_forward = ddp_cls.__init__, ddp_cls.forward
+    orig_init, orig_forward = cls.__init__, cls.forward
 
     @functools.wraps(orig_init)
     def __init__(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
         try:
-            _attach(self)
+            attach(self)
         except Exception:
-            log.warning("syncwatch: could not instrument this DDP model", exc_info=True)
+            log.warning("syncwatch: could not instrument this %s model", cls.__name__,
+                        exc_info=True)
 
     @functools.wraps(orig_forward)
     def forward(self, *inputs, **kwargs):
@@ -98,9 +109,28 @@ def _patch_ddp_module(module) -> None:
         steps.forward_post()
         return out
 
-    ddp_cls.__init__ = __init__
-    ddp_cls.forward = forward
-    ddp_cls._syncwatch_patched = True
+    cls.__init__ = __init__
+    cls.forward = forward
+    cls._syncwatch_patched = True
+
+
+def _patch_fully_shard_module(module) -> None:
+    """Wrap ``fully_shard`` (FSDP2), once; ``functools.wraps`` keeps its ``state`` attribute."""
+    orig = module.fully_shard
+    if getattr(orig, "_syncwatch_original", None) is not None:
+        return
+
+    @functools.wraps(orig)
+    def fully_shard(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        try:
+            _attach_fsdp(out)
+        except Exception:
+            log.warning("syncwatch: could not instrument this fully_shard model", exc_info=True)
+        return out
+
+    fully_shard._syncwatch_original = orig
+    module.fully_shard = fully_shard
 
 
 class _Steps:
@@ -155,10 +185,13 @@ class _Steps:
 
 
 _steps: _Steps | None = None
-ATTACHED = "_syncwatch_steps"  # a DDP model's attribute: the _Steps its forward drives
+ATTACHED = "_syncwatch_steps"  # a model's attribute: the _Steps its forward drives
+_fsdp_undo: list = []  # takes the phases back from the FSDP model that drives them
 
 
-def _attach(ddp) -> None:
+def _start():
+    """The process's ``_Steps``, started with the monitor at the first model; None where
+    ``init()`` stays a no-op."""
     global _steps
     import syncwatch.instrument as sw
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
@@ -166,11 +199,50 @@ def _attach(ddp) -> None:
 
     monitor = sw.init()
     if monitor is None:
-        return
+        return None
     if _steps is None or _steps.m is not monitor:
         _steps = _Steps(monitor)
         sw.register(collectives=True)
         register_optimizer_step_pre_hook(_steps.optimizer_pre)
         register_optimizer_step_post_hook(_steps.optimizer_post)
+    return _steps
+
+
+def _attach(ddp) -> None:
+    import syncwatch.instrument as sw
+    steps = _start()
+    if steps is None:
+        return
     sw.register(ddp, collectives=False)
-    ddp.__dict__[ATTACHED] = _steps
+    ddp.__dict__[ATTACHED] = steps
+
+
+def _attach_fsdp(model) -> None:
+    """FSDP wraps bottom-up, the root last: each new FSDP model takes over the phases from the
+    one before, so the root's forward drives them in the end (nested FSDP units, and modules
+    that activation checkpointing runs again in backward, switch nothing). Its collectives are
+    the wrapped ones: nothing else is attached. ``FullyShardedDataParallel`` has a patched
+    ``forward``; a ``fully_shard`` module, whose class is made per module type, gets forward
+    hooks (FSDP's own hooks have taken it off the fast call path already)."""
+    from torch import nn
+    steps = _start()
+    if steps is None or not isinstance(model, nn.Module):
+        return
+    while _fsdp_undo:
+        _fsdp_undo.pop()()
+    if getattr(type(model), "_syncwatch_patched", False):  # FullyShardedDataParallel
+        model.__dict__[ATTACHED] = steps
+        _fsdp_undo.append(lambda: model.__dict__.pop(ATTACHED, None))
+        return
+    pre = model.register_forward_pre_hook(lambda module, args: steps.forward_pre(args),
+                                          prepend=True)  # before FSDP's all-gather
+    post = model.register_forward_hook(lambda module, args, out: steps.forward_post(),
+                                       always_call=True)
+    _fsdp_undo.extend((pre.remove, post.remove))
+
+
+PATCHES = {  # module -> what patches it once it has executed
+    "torch.nn.parallel.distributed": _patch_ddp_module,
+    "torch.distributed.fsdp.fully_sharded_data_parallel": _patch_fsdp_module,
+    "torch.distributed.fsdp._fully_shard._fully_shard": _patch_fully_shard_module,
+}

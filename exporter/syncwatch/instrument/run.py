@@ -2,6 +2,8 @@
 
     syncwatch-run torchrun --nproc-per-node 4 train.py --epochs 3
 
+Instruments the DDP and FSDP (``FullyShardedDataParallel``, ``fully_shard``) models the program
+builds: steps, phases, samples, sync waits, collectives, heartbeats (docs/instrumentation.md).
 Puts a ``sitecustomize`` on ``PYTHONPATH`` (see ``syncwatch.instrument.auto``) and replaces
 itself with the command, so signals and the exit status are the command's own. Options become
 ``SYNCWATCH_*`` variables that every rank reads.

@@ -1,6 +1,6 @@
 """Put on PYTHONPATH by ``syncwatch-run``: installs zero-code instrumentation in every Python
-process of the command (cheap: torch is patched only if and when the program imports DDP), then
-runs the ``sitecustomize`` this one shadows, if there is one."""
+process of the command (cheap: torch is patched only if and when the program imports DDP or
+FSDP), then runs the ``sitecustomize`` this one shadows, if there is one."""
 
 import importlib.machinery
 import importlib.util
