@@ -1,7 +1,7 @@
 """End-to-end overhead of the instrumentation on a 4-rank CPU DDP loop, and the skew exchange.
 
     python benchmarks/instrument_ddp_overhead.py [--world 4] [--pairs 150] [--block-steps 10] \
-        [--arm full|auto|noop|same|hook-only|calls-only]
+        [--arm full|auto|noop|same|hook-only|calls-only] [--wrap ddp|fully_shard]
 
 Same processes, same run: every rank holds two identical DDP models, one plain (DDP's built-in
 all-reduce, no syncwatch calls) and one "instrumented" (``--arm full``: ``register``, i.e. the
@@ -12,7 +12,11 @@ exchange; ``--arm noop``: the same calls with nothing initialized; ``--arm same`
 step in both blocks, the A/A check that shows the method's own noise floor; the other arms
 split syncwatch into its parts). The two models swap roles every ``--swap`` pairs, so that a
 difference between the two instances themselves (memory
-placement: ~1 % in an A/A run without swapping) cancels.
+placement: ~1 % in an A/A run without swapping) cancels. ``--wrap fully_shard``: the same
+with FSDP2 models (``fully_shard`` on each layer and the whole model), whose waits are the
+wrapped collectives; the wrappers are global, so they are installed just before each
+instrumented block and removed after it, outside the timing (arms full, hook-only, calls-only,
+noop, same).
 
 Method, and why. On a shared 2-core VM running 4 ranks, the wall time of a block of steps
 drifts by several percent with other jobs, so a total wall ratio cannot resolve 0.5 %. So:
@@ -75,14 +79,25 @@ def rank_main(a):
 
     def make():
         torch.manual_seed(0)
-        model = DDP(nn.Sequential(nn.Linear(a.hidden, a.hidden), nn.ReLU(),
-                                  nn.Linear(a.hidden, a.hidden)))
+        model = nn.Sequential(nn.Linear(a.hidden, a.hidden), nn.ReLU(),
+                              nn.Linear(a.hidden, a.hidden))
+        if fsdp:
+            for layer in (model[0], model[2], model):
+                fully_shard(layer)
+        else:
+            model = DDP(model)
         return model, torch.optim.SGD(model.parameters(), lr=0.01)
+    fsdp = a.wrap == "fully_shard"
+    if fsdp:
+        if a.arm == "auto":
+            sys.exit("--arm auto is DDP's zero-code mode: not with --wrap fully_shard")
+        from torch.distributed.fsdp import fully_shard
     models = make(), make()
     m = sw.init(exchange_every=a.k if a.arm in ("full", "auto") else 0, job="bench")
     watch = a.arm in ("full", "auto", "hook-only")
-    if watch:
+    if watch and not fsdp:
         sw.register(collectives=True)
+    wrappers = []  # FSDP: the collective wrappers, installed for each instrumented block
     if a.arm not in ("full", "auto", "hook-only", "calls-only"):
         sw.shutdown()
     steps = None
@@ -138,7 +153,7 @@ def rank_main(a):
         while handles:
             handles.pop().remove()
         model, opt = models[role]
-        if watch:
+        if watch and not fsdp:
             handles.append(sw.register(model, collectives=False))
         if steps is not None:  # what auto._attach adds, with the optimizer hooks on this
             steps.optimizer_id = None  # model's optimizer (_attach registers them globally)
@@ -167,6 +182,8 @@ def rank_main(a):
             fn, model = (inst_step, models[role]) if arm == "inst" else (plain_step, models[1 - role])
             if a.arm == "same":
                 fn = plain_step  # the A/A check: the very same code in both blocks
+            if fsdp and watch and arm == "inst":
+                wrappers.append(sw.register(collectives=True))
             dist.barrier()
             t0 = [c() for c in clocks]
             for _ in range(a.block_steps):
@@ -176,6 +193,8 @@ def rank_main(a):
                 m.flush()
                 flushed.append(time.thread_time() - f0)
             spent[arm] = [c() - t for c, t in zip(clocks, t0)]
+            while wrappers:
+                wrappers.pop().remove()
         pairs.append(tuple(zip(spent["plain"], spent["inst"])))
     if steps is not None and m.last_step < a.pairs * a.block_steps:
         sys.exit(f"zero-code mode ended {m.last_step} steps, not {a.pairs * a.block_steps}")
@@ -191,7 +210,7 @@ def rank_main(a):
     gathered = [t.tolist() for t in tensors]
     if rank == 0:
         n = a.pairs * a.block_steps
-        print(f"arm {a.arm}, world {dist.get_world_size()}, hidden {a.hidden}, batch {a.batch}, "
+        print(f"arm {a.arm}, {a.wrap}, world {dist.get_world_size()}, hidden {a.hidden}, batch {a.batch}, "
               f"{n} steps per arm in {a.pairs} pairs of {a.block_steps}-step blocks, "
               f"load average {os.getloadavg()[0]:.1f}")
         rng = random.Random(1)
@@ -250,6 +269,8 @@ def main():
                         "auto: zero-code mode's hooks on the plain step's code; "
                         "hook-only / calls-only split syncwatch into its gradient-wait "
                         "measurement and its phase/step calls")
+    p.add_argument("--wrap", choices=("ddp", "fully_shard"), default="ddp",
+                   help="the models: DDP, or FSDP2 (fully_shard on each layer and the model)")
     p.add_argument("--uncharged", action="store_true",
                    help="leave the records thread's work to its timer, where it lands in both "
                         "arms and cancels out of the difference (the method before charging it)")

@@ -14,8 +14,9 @@ two model instances swap roles every 500 steps, so that their own difference (me
 cancels. Reported: medians of wall time and of this thread's CPU time (``thread_time``, which
 other processes' bursts do not land in). The record goes to a Unix datagram socket read by
 another process (like the daemon), or to nobody (daemon absent). Then: the phases and step in a
-hot loop (caches warm), and ``ddp_hook_wrapper`` around a trivial comm hook, the cost a script
-that registers its own hook adds per bucket.
+hot loop (caches warm), ``ddp_hook_wrapper`` around a trivial comm hook, the cost a script
+that registers its own hook adds per bucket, and a blocking collective through the collective
+wrapper, what each of FSDP's all-gathers and reduce-scatters pays.
 """
 
 import argparse
@@ -170,6 +171,30 @@ def wrapper_cost(n: int, path: str, rounds: int = 5) -> tuple[float, float]:
     return min(base), min(inst)
 
 
+def collective_cost(n: int, path: str, rounds: int = 5) -> tuple[float, float]:
+    """A blocking ``all_gather_single`` (FSDP's) on the one-rank gloo group, torch's own and
+    through the collective wrapper: us per call, best of ``rounds``."""
+    out, inp = torch.zeros(4), torch.ones(4)
+    monitor = Monitor(Identity("bench", 0, 0, 0, 4, "n1", os.getpid()), Sender(path),
+                      heartbeat_seconds=0)
+    _state.set_monitor(monitor)
+    handle = sw.register(collectives=True)
+    wrapped = dist.all_gather_single
+    plain = wrapped._syncwatch_original
+    base, inst = [], []
+    for _ in range(rounds):
+        for fn, times in ((plain, base), (wrapped, inst)):
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                fn(out, inp)
+            times.append((time.perf_counter_ns() - t0) / n / 1000)
+            monitor.flush()  # outside the timing: the entries fit the queue
+    handle.remove()
+    _state.set_monitor(None)
+    monitor.shutdown()
+    return min(base), min(inst)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=10000)
@@ -209,6 +234,9 @@ def main():
         base, inst = wrapper_cost(2 * a.steps, os.path.join(d, "absent.sock"))
         print(f"ddp_hook_wrapper around a trivial comm hook: {base:.2f} -> {inst:.2f} us per "
               f"bucket (+{inst - base:.2f} us)")
+        base, inst = collective_cost(a.steps, os.path.join(d, "absent.sock"))
+        print(f"a blocking collective (all_gather_single, 1 rank) through the wrapper: "
+              f"{base:.2f} -> {inst:.2f} us per call (+{inst - base:.2f} us)")
     finally:
         reader.kill()
         dist.destroy_process_group()
