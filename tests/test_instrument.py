@@ -558,6 +558,22 @@ def test_syncwatch_run_environment_and_errors(tmp_path):
     assert out.stdout.strip() == "True", out.stderr
 
 
+def test_zero_code_install_after_torch_imported_fsdp_patches_what_the_script_imports():
+    """``install()`` after FSDP was imported (not how ``syncwatch-run`` runs it, but a script
+    may call it late): the names the script imports next are the patched ones."""
+    code = ("import torch.distributed.fsdp as f\n"
+            "from syncwatch.instrument import auto\n"
+            "auto.install()\n"
+            "from torch.distributed.fsdp import fully_shard, FullyShardedDataParallel\n"
+            "from torch.nn.parallel import DistributedDataParallel\n"
+            "print(fully_shard._syncwatch_original is not None, hasattr(fully_shard, 'state'),\n"
+            "      FullyShardedDataParallel._syncwatch_patched,\n"
+            "      DistributedDataParallel._syncwatch_patched)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.split() == ["True"] * 4, out.stderr[-2000:]
+
+
 def test_register_handle_remove_restores_torch_distributed():
     dist = pytest.importorskip("torch.distributed")
     import syncwatch.instrument as sw

@@ -115,7 +115,8 @@ def _patch_class(cls, attach) -> None:
 
 
 def _patch_fully_shard_module(module) -> None:
-    """Wrap ``fully_shard`` (FSDP2), once; ``functools.wraps`` keeps its ``state`` attribute."""
+    """Wrap ``fully_shard`` (FSDP2), once; ``functools.wraps`` keeps its ``state`` attribute.
+    Where FSDP was imported before ``install()``, its packages' re-exports are rebound too."""
     orig = module.fully_shard
     if getattr(orig, "_syncwatch_original", None) is not None:
         return
@@ -130,7 +131,10 @@ def _patch_fully_shard_module(module) -> None:
         return out
 
     fully_shard._syncwatch_original = orig
-    module.fully_shard = fully_shard
+    for name in (module.__name__, "torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp"):
+        exporter = sys.modules.get(name, module)
+        if getattr(exporter, "fully_shard", None) is orig:
+            exporter.fully_shard = fully_shard
 
 
 class _Steps:
