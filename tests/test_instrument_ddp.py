@@ -302,7 +302,7 @@ def test_zero_code_change_with_fsdp(daemon, sock_path, tmp_path, wrap):
                 env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log,
                 stderr=subprocess.STDOUT, timeout=180)
         assert proc.returncode == 0, (tmp_path / f"{kind}.log").read_text()[-3000:]
-    assert "syncwatch" not in (tmp_path / "zc.log").read_text()  # nothing logged: no error
+    assert "syncwatch:" not in (tmp_path / "zc.log").read_text()  # none of its warnings
     for a, b in zip(load(outs["plain"], world), load(outs["zc"], world)):
         for k in a["weights"]:
             assert torch.equal(a["weights"][k], b["weights"][k]), k
