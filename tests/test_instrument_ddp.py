@@ -127,9 +127,9 @@ def test_fsdp_straggler_is_named_through_its_wrapped_collectives(daemon, sock_pa
     every = {r: float(steps) for r in range(4)}
     m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)
     assert m.by_rank("syncwatch_steps_total", train_job=job) == every
-    for r in range(4):  # registering an FSDP model is no error
+    for r in range(4):  # registering an FSDP model is no error: none of syncwatch's warnings
         text = (tmp_path / f"{job}-rank{r}.log").read_text()
-        assert "could not register" not in text and "internal error" not in text, text[-2000:]
+        assert "syncwatch:" not in text, text[-2000:]
     sync = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="sync")
     for r in (0, 1, 3):  # every rank waits in FSDP's collectives; the others for rank 2 too
         assert sync[r] - sync[2] == pytest.approx(steps * DELAY, rel=0.15), sync

@@ -131,8 +131,9 @@ def _patch_fully_shard_module(module) -> None:
         return out
 
     fully_shard._syncwatch_original = orig
-    for name in (module.__name__, "torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp"):
-        exporter = sys.modules.get(name, module)
+    module.fully_shard = fully_shard
+    for name in ("torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp"):
+        exporter = sys.modules.get(name)
         if getattr(exporter, "fully_shard", None) is orig:
             exporter.fully_shard = fully_shard
 
