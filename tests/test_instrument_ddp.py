@@ -288,7 +288,7 @@ def test_zero_code_change_with_fsdp(daemon, sock_path, tmp_path, wrap):
     """``syncwatch-run`` on an unmodified FSDP script: the root's forward drives the phases (the
     nested units switch nothing), FSDP's collectives are the sync wait, and the weights and
     gradient shards are those of the same script run without syncwatch."""
-    steps, delay, world, job = 30, 0.03, 2, f"zc-{wrap}"
+    steps, delay, world, job = 30, 0.05, 2, f"zc-{wrap}"
     outs = {k: tmp_path / k for k in ("plain", "zc")}
     for kind, out in outs.items():
         out.mkdir()
@@ -313,7 +313,10 @@ def test_zero_code_change_with_fsdp(daemon, sock_path, tmp_path, wrap):
     assert m.by_rank("syncwatch_steps_total", train_job=job) == every
     assert m.by_rank("syncwatch_samples_total", train_job=job) == {0: 32 * steps, 1: 32 * steps}
     sync = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="sync")
-    assert sync[0] - sync[1] >= 0.8 * steps * delay  # rank 0 waits for the slow rank 1
+    # rank 0 waits for the slow rank 1. FSDP1's nested units make several rendezvous a step, and
+    # on a loaded 2-core box either rank can be late to one: the margin is that noise (CI measured
+    # rank 1 waiting 15 ms a step, rank 0 then 21 ms more than it, with a 30 ms delay)
+    assert sync[0] >= 0.8 * steps * delay and sync[0] - sync[1] >= 0.5 * steps * delay, sync
     data = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="data")
     forward = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="forward")
     backward = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="backward")
