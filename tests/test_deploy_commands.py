@@ -42,3 +42,22 @@ def test_command_line_is_accepted(where, argv):
 def test_a_wrong_flag_is_rejected():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["daemon", "--path.sysfz=/host/sys"])
+
+
+
+def test_help_prints_a_default_only_where_there_is_one():
+    """``--help`` of every subcommand: a flag without a default says nothing of one (no
+    ``default: None``, no empty ``default: ``); one with a default shows it beside its env twin."""
+    import argparse
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) >= {"daemon", "run", "stack", "jct", "report"}
+    for name, parser in sub.choices.items():
+        text = " ".join(parser.format_help().split())  # unwrapped
+        assert "default: None" not in text and "default: ]" not in text, (name, text)
+    daemon = " ".join(sub.choices["daemon"].format_help().split())
+    assert "[env SYNCWATCH_LISTEN; default: 127.0.0.1:9477]" in daemon
+    assert "(empty: off) [env SYNCWATCH_UDP]" in daemon
+    run = " ".join(sub.choices["run"].format_help().split())
+    assert "(default /run/syncwatch/ingest.sock) [env SYNCWATCH_SOCKET]" in run
+    assert "(default 5) [env SYNCWATCH_HEARTBEAT]" in run

@@ -32,7 +32,8 @@ def env_name(flag: str) -> str:
 def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kw) -> argparse.Action:
     """Add ``flag`` whose default can come from its environment twin (see ``env_name``).
 
-    The help text names the twin and the default, so ``--help`` documents both.
+    The help text names the twin and the default (where there is one), so ``--help`` documents
+    both.
     """
     env = kw.pop("env", None) or env_name(flag)
     action = kw.get("action")
@@ -50,7 +51,9 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kw) -> 
                 kw["default"] = conv(raw)
             except (TypeError, ValueError) as e:
                 parser.error(f"{env}={raw!r}: {e}")
-    suffix = f"[env {env}" + ("]" if boolean else "; default: %(default)s]")
+    # no default (None, "") is not printed: the help text says what happens without the flag
+    shown = not boolean and kw.get("default") not in (None, "")
+    suffix = f"[env {env}" + ("; default: %(default)s]" if shown else "]")
     return parser.add_argument(flag, help=f"{help} {suffix}", **kw)
 
 

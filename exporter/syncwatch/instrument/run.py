@@ -16,6 +16,8 @@ import os
 import sys
 
 from ..cli import add_flag
+from ..sender import DEFAULT_SOCKET
+from . import DEFAULT_EXCHANGE_EVERY, DEFAULT_HEARTBEAT_SECONDS
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,12 +28,14 @@ _ENV = {"socket": "SYNCWATCH_SOCKET", "udp": "SYNCWATCH_UDP", "job": "SYNCWATCH_
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flag(parser, "--socket", default=None, help="daemon's Unix datagram ingest socket")
+    add_flag(parser, "--socket", default=None,
+             help=f"daemon's Unix datagram ingest socket (default {DEFAULT_SOCKET})")
     add_flag(parser, "--udp", default=None, help="send to the daemon over UDP HOST:PORT instead")
     add_flag(parser, "--job", default=None, help="train_job label (default: launcher's job id)")
     add_flag(parser, "--skew-every", type=int, default=None,
-             help="exact skew exchange every K steps (0 = off; default 50)")
-    add_flag(parser, "--heartbeat", type=float, default=None, help="heartbeat interval, seconds")
+             help=f"exact skew exchange every K steps (0 = off; default {DEFAULT_EXCHANGE_EVERY})")
+    add_flag(parser, "--heartbeat", type=float, default=None,
+             help=f"heartbeat interval, seconds (default {DEFAULT_HEARTBEAT_SECONDS:g})")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the training command, e.g. torchrun --nproc-per-node 4 train.py")
 
