@@ -35,7 +35,8 @@ class RankSim:
     def step(self, step: int, step_seconds: float, wait_seconds: float = 0.001,
              phases: tuple[float, ...] | None = None, samples: float = 32.0, slack: float = 0.0,
              last_arrival: bool = False, checkpoint: bool = False, dropped: int | None = None,
-             skew: SkewHistogram | None = None, wall: float | None = None) -> bytes:
+             errors: int | None = None, skew: SkewHistogram | None = None,
+             wall: float | None = None) -> bytes:
         phases = phases or tuple([step_seconds / len(PHASES)] * len(PHASES))
         t = self.totals
         self.totals = Cumulative(
@@ -45,7 +46,7 @@ class RankSim:
             samples=t.samples + samples, tokens=t.tokens + samples * 100,
             checkpoints=t.checkpoints + int(checkpoint),
             dropped_records=t.dropped_records if dropped is None else dropped,
-            internal_errors=0)
+            internal_errors=t.internal_errors if errors is None else errors)
         return self.enc.step(step, WALL0 + step if wall is None else wall, step_seconds,
                              wait_seconds, phases, step * 2, samples, samples * 100, self.totals,
                              exact=self.exact, has_tokens=self.tokens, skew=skew)

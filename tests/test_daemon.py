@@ -349,17 +349,25 @@ def test_heartbeat_only_rank_shows_phase_and_stale_step_time(daemon, client):
     assert value(m, "syncwatch_rank_info", local_rank=3, node="node-1", gpu="", uuid="", pid=1003, **lab) == 1
 
 
-def test_client_dropped_records_is_monotonic(sock_path):
+def test_client_dropped_records_and_internal_errors_are_monotonic(sock_path):
+    """Both sum what each rank process's cumulative count grew by: an older (smaller) count
+    adds nothing, a new process (pid) starts from 0, and ranks leaving take nothing away."""
     with DaemonThread(config(sock_path, rank_ttl=0.3)) as d:
         c = Client(d.socket_path)
         r = RankSim(identity(2, pid=10))
-        c.send(r.step(1, 0.1, dropped=5), r.step(2, 0.1, dropped=8))
-        c.send(Encoder(identity(2, pid=11)).heartbeat(WALL0, 0, 0.0, "data", 0.1, 0, dropped_records=2))
-        wait_records(d.url, 3)
-        assert value(scrape(d.url), "syncwatch_client_dropped_records_total") == 10
+        c.send(r.step(1, 0.1, dropped=5, errors=1), r.step(2, 0.1, dropped=8, errors=3))
+        c.send(Encoder(identity(2, pid=10)).heartbeat(WALL0, 1, 0.0, "data", 0.1, 0,
+                                                      dropped_records=6, internal_errors=2))
+        c.send(Encoder(identity(2, pid=11)).heartbeat(WALL0, 0, 0.0, "data", 0.1, 0,
+                                                      dropped_records=2, internal_errors=4))
+        wait_records(d.url, 4)
+        m = scrape(d.url)
+        assert value(m, "syncwatch_client_dropped_records_total") == 10
+        assert value(m, "syncwatch_client_internal_errors_total") == 7
         wait_for(lambda: healthz(d.url)["ranks"] == 0, 10, "rank expiry")
         m = scrape(d.url)
     assert value(m, "syncwatch_client_dropped_records_total") == 10
+    assert value(m, "syncwatch_client_internal_errors_total") == 7
 
 
 class _Failing:

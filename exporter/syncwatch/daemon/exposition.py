@@ -139,6 +139,10 @@ def families(snap: Snapshot) -> list:
     dropped = CounterMetricFamily("syncwatch_client_dropped_records",
                                   "Records the ranks reported dropping before they reached the daemon.")
     dropped.add_metric([], snap.client_dropped)
+    errors = CounterMetricFamily("syncwatch_client_internal_errors",
+                                 "Internal errors the ranks' instrumentation reported counting "
+                                 "(training went on; each rank logs its first).")
+    errors.add_metric([], snap.client_errors)
     active = GaugeMetricFamily("syncwatch_ranks_active", "Ranks this daemon currently tracks.")
     active.add_metric([], snap.ranks_active)
     build = GaugeMetricFamily("syncwatch_build_info", "syncwatch version (value 1).", labels=["version"])
@@ -146,7 +150,7 @@ def families(snap: Snapshot) -> list:
 
     fams = [info, steps, step_s, phase_s, slack, last_arr, samples, tokens, cv, ac, last_step,
             last_ts, seq, elapsed, step_h, wait_h, skew_h, world, attempt, restarts, rerun, ck_s, ck,
-            records, rejected, dropped, active, build]
+            records, rejected, dropped, errors, active, build]
     return [f for f in fams if f.samples]  # a family without series is only noise
 
 

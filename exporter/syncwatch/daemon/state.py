@@ -73,7 +73,7 @@ class Histogram:
 class RankState:
     __slots__ = ("ident", "totals", "exact", "has_tokens", "step_seen", "window", "version",
                  "stats", "last_step", "last_step_wall", "seq", "hb_wall", "hb_phase",
-                 "hb_elapsed", "dropped", "seen", "ended")
+                 "hb_elapsed", "dropped", "errors", "seen", "ended")
 
     def __init__(self, ident: Identity, window: int, now: float):
         self.ident = ident
@@ -91,6 +91,7 @@ class RankState:
         self.hb_phase: str | None = None
         self.hb_elapsed = 0.0
         self.dropped = 0                        # highest dropped-records count this process reported
+        self.errors = 0                         # highest internal-errors count this process reported
         self.seen = now                         # monotonic time of the last record
         self.ended = False
 
@@ -157,6 +158,7 @@ class Snapshot:
     records: int
     rejected: dict[str, int]
     client_dropped: int
+    client_errors: int
     ranks_active: int
 
 
@@ -185,6 +187,7 @@ class State:
         self.records = 0                                    # accepted records
         self.rejected = dict.fromkeys(REJECT_REASONS, 0)
         self.client_dropped = 0                             # sum of increases of ranks' dropped counts
+        self.client_errors = 0                              # ... of their internal-error counts
 
     # -- ingest side -------------------------------------------------------------------------
 
@@ -273,7 +276,7 @@ class State:
             r.last_step_wall = rec.wall_time
         if rec.collective_sequence > r.seq:
             r.seq = rec.collective_sequence
-        self._dropped(r, totals.dropped_records)
+        self._client_counts(r, totals.dropped_records, totals.internal_errors)
         node = r.ident.node
         hists = job.hists.get(node)
         if hists is None:
@@ -312,17 +315,22 @@ class State:
         if rec.collective_sequence > r.seq:
             r.seq = rec.collective_sequence
         r.ended = False
-        self._dropped(r, rec.dropped_records)
+        self._client_counts(r, rec.dropped_records, rec.internal_errors)
 
     def _end(self, r: RankState, rec: EndRecord) -> None:
         r.ended = True
         if rec.last_step > r.last_step:
             r.last_step = rec.last_step
 
-    def _dropped(self, r: RankState, reported: int) -> None:
-        if reported > r.dropped:
-            self.client_dropped += reported - r.dropped
-            r.dropped = reported
+    def _client_counts(self, r: RankState, dropped: int, errors: int) -> None:
+        """Add what a rank's cumulative drop and error counts grew by (records may come late or
+        out of order: a smaller count is an older one)."""
+        if dropped > r.dropped:
+            self.client_dropped += dropped - r.dropped
+            r.dropped = dropped
+        if errors > r.errors:
+            self.client_errors += errors - r.errors
+            r.errors = errors
 
     # -- housekeeping and scrape side --------------------------------------------------------
 
@@ -366,7 +374,8 @@ class State:
                             job.skew, job.restarts, job.rerun_steps, job.checkpoint_seconds,
                             job.checkpoints))
             records, rejected = self.records, dict(self.rejected)
-            client_dropped, n_ranks = self.client_dropped, self.n_ranks
+            client = self.client_dropped, self.client_errors
+            n_ranks = self.n_ranks
         for r, version, xs in todo:
             r.stats = (version, *window_stats(xs))
         jobs = []
@@ -378,4 +387,4 @@ class State:
             jobs.append(JobView(name, views, hists, has0, world, attempt, skew, restarts, rerun,
                                 ck_s, ck))
         jobs.sort(key=lambda j: j.train_job)
-        return Snapshot(jobs, records, rejected, client_dropped, n_ranks)
+        return Snapshot(jobs, records, rejected, *client, n_ranks)
