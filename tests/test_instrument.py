@@ -166,6 +166,37 @@ def test_internal_errors_are_counted_and_never_raised(rx, caplog):
     m.shutdown()
 
 
+def test_bad_step_arguments_are_refused_without_losing_a_step_or_later_records(rx, caplog):
+    """``step()`` with a count that is no number, not finite, negative or absurd, or a step
+    number that is no integer in range: the step still counts (with 0 of it, or numbered
+    previous + 1), each is an internal error, each argument is logged once, and no record the
+    daemon's decoder would refuse is sent (one infinite count in the cumulative totals used to
+    make it refuse every later record of the rank)."""
+    import torch
+    m = make_monitor(rx)
+    m.step(samples=32, tokens=100, step=10)
+    bad = ["abc", float("inf"), float("nan"), -3, 1e300, torch.ones(2)]
+    for x in bad:
+        m.step(samples=x, tokens=x)
+    for x in ["11", 7.5, -5, float("nan"), 2 ** 60]:
+        m.step(samples=1, step=x)
+    m.step(samples=torch.tensor(8), tokens=2.5, step=torch.tensor(30))  # taken as they are
+    m.step(samples=16, tokens=10, step=31.0)
+    recs = steps(rx, 14)
+    assert rx.rejected == []
+    assert [r.step for r in recs] == [10, *range(11, 17), *range(17, 22), 30, 31]
+    assert {r.identity.attempt for r in recs} == {0}
+    assert [r.samples for r in recs] == [32] + [0] * 6 + [1] * 5 + [8, 16]
+    assert [r.tokens for r in recs] == [100] + [0] * 11 + [2.5, 10]
+    last = recs[-1].totals
+    assert (last.steps, last.samples, last.tokens) == (14, 61, 112.5)
+    assert last.internal_errors == 2 * len(bad) + 5
+    warned = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(warned) == 3 and all(w.startswith("syncwatch: step(") for w in warned), warned
+    assert "step(samples='abc') refused, counted as 0: expected a number from 0 to" in warned[0]
+    m.shutdown()
+
+
 def test_step_number_going_backwards_starts_a_new_attempt(rx):
     m = make_monitor(rx)
     for s in (1, 2, 3, 2, 3):

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 
-from ..protocol import PHASE_INDEX, Cumulative, Encoder, Identity
+from ..protocol import MAX_STEP, MAX_TOTAL, PHASE_INDEX, Cumulative, Encoder, Identity
 from ..skew import SkewAccumulator
 from .clock import HostClock
 from .notes import Notes
@@ -47,6 +47,9 @@ MAX_ENTRIES = 1 << 16  # hot-path entries waiting for the records thread (~4 k s
 # per step of every 0.2 s (6 ms steps); 1 s would cost less, but a job turning fast sends a second
 # of steps in one burst and loses records (benchmarks/bench_records_thread.py, bench_burst.py).
 FLUSH_SECONDS = 0.2
+# the most samples or tokens one step() may report: the daemon refuses a record whose cumulative
+# total passes protocol.MAX_TOTAL, so one absurd count would lose every later record of the rank
+MAX_PER_STEP = MAX_TOTAL / 1000
 
 # Entry codes. A phase's start is its index, its end the index + EXIT. Layouts:
 #   (phase, mark) (phase + EXIT, mark) (READY, mark, collectives) (DONE, mark)
@@ -76,6 +79,7 @@ class Monitor:
         self._has_tokens = False
         self.errors = 0
         self._errors_lock = threading.Lock()
+        self._refused: set[str] = set()  # step() arguments refused and logged once
         self.closed = False
         # hot path -> records thread
         self._entries: collections.deque = collections.deque(maxlen=MAX_ENTRIES)
@@ -268,17 +272,14 @@ class Monitor:
     def _end_step(self, e, host) -> None:
         _, end, wall, samples, tokens, number = e
         self._close_ddp()
-        if number is None:
-            number = self.last_step + 1
-        else:
-            number = int(number)
-            if number <= self.last_step:
-                self._new_attempt(number)
+        number = self._step_number(number)
+        if number <= self.last_step:
+            self._new_attempt(number)
         if tokens is not None:
             self._has_tokens = True
         rec = (number, wall, self._step_start, end, self._spans, self._sync, self._grad,
-               float(samples) if samples > 0 else 0.0,
-               float(tokens) if tokens is not None and tokens > 0 else 0.0,
+               self._amount("samples", samples),
+               0.0 if tokens is None else self._amount("tokens", tokens),
                self.collective_sequence, self.encoder)
         self._spans, self._sync, self._grad = [], [], None
         self._step_start = end
@@ -382,6 +383,44 @@ class Monitor:
         self._exact = True
         if self._skew is not None:
             self._skew_snapshot = self._skew.snapshot()
+
+    def _amount(self, name: str, value) -> float:
+        """``step()``'s samples or tokens as a float (an int, a float, a one-element tensor).
+        Anything else — not a number, not finite, negative, beyond ``MAX_PER_STEP`` — is
+        refused: the step still counts, with 0 of it."""
+        try:
+            x = float(value)
+        except Exception:
+            x = -1.0
+        if 0.0 <= x <= MAX_PER_STEP:
+            return x
+        self._refuse(name, value, f"a number from 0 to {MAX_PER_STEP:g}", "counted as 0")
+        return 0.0
+
+    def _step_number(self, value) -> int:
+        """``step()``'s ``step`` (the job's own step number), or the previous one + 1 where none
+        was given or it is refused (not an integer from 0 to ``MAX_STEP``)."""
+        if value is None:
+            return self.last_step + 1
+        try:
+            n = int(value)
+            whole = bool(n == value)  # 7.0 and a one-element tensor are, 7.5 and "7" are not
+        except Exception:
+            n, whole = -1, False
+        if whole and 0 <= n <= MAX_STEP:
+            return n
+        self._refuse("step", value, "an integer from 0 to 2**53", "taken as the previous step + 1")
+        return self.last_step + 1
+
+    def _refuse(self, name: str, value, expected: str, instead: str) -> None:
+        """A bad argument of the training code's ``step()``: counted as an internal error (the
+        daemon sees it in ``internal_errors``), logged the first time for each argument."""
+        with self._errors_lock:
+            self.errors += 1
+        if name not in self._refused:
+            self._refused.add(name)
+            log.warning("syncwatch: step(%s=%.80r) refused, %s: expected %s (counted in "
+                        "internal_errors; logged once)", name, value, instead, expected)
 
     def _new_attempt(self, number: int) -> None:
         """The step number went backwards: the job resumed from an earlier step in this process."""
