@@ -206,6 +206,43 @@ def test_step_number_going_backwards_starts_a_new_attempt(rx):
     m.shutdown()
 
 
+def test_a_job_counting_its_steps_from_0_stays_in_its_first_attempt(rx):
+    """Step 0 is the first step, not one that went back: its identity is that of the heartbeats
+    sent before it (a new attempt there would count a restart at the daemon)."""
+    m = make_monitor(rx, heartbeat_seconds=0.05)
+    assert wait_for(lambda: rx.of(HeartbeatRecord))
+    for s in (0, 1, 2):
+        m.step(1, step=s)
+    recs = steps(rx, 3)
+    assert [(r.step, r.identity.attempt) for r in recs] == [(0, 0), (1, 0), (2, 0)]
+    assert {h.identity.attempt for h in rx.of(HeartbeatRecord)} == {0}
+    m.shutdown()
+
+
+def test_a_step_counter_that_keeps_going_back_starts_a_bounded_number_of_attempts(rx, caplog):
+    """``step=`` given a per-epoch batch index (0, 1, 2, 0, 1, 2, ...) would start an attempt,
+    a counted restart, every epoch: after ``MAX_NEW_ATTEMPTS`` the numbers that go back are
+    refused (counted, logged once) and the steps go on numbered previous + 1."""
+    from syncwatch.instrument.monitor import MAX_NEW_ATTEMPTS
+    m = make_monitor(rx)
+    epochs = MAX_NEW_ATTEMPTS + 4
+    for _ in range(epochs):
+        for i in range(3):
+            m.step(1, step=i)
+    recs = steps(rx, 3 * epochs)
+    assert rx.rejected == []
+    attempts = [(r.step, r.identity.attempt) for r in recs]
+    assert attempts[:3 * (MAX_NEW_ATTEMPTS + 1)] == [
+        (i, a) for a in range(MAX_NEW_ATTEMPTS + 1) for i in range(3)]
+    after = attempts[3 * (MAX_NEW_ATTEMPTS + 1):]  # the rest of the job: one attempt, counting on
+    assert after == [(3 + k, MAX_NEW_ATTEMPTS) for k in range(len(after))]
+    assert recs[-1].totals.steps == 3 * epochs  # none lost
+    assert recs[-1].totals.internal_errors == len(after)  # none of the later numbers is ahead
+    warned = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(warned) == 1 and "step(step=0) refused" in warned[0], warned
+    m.shutdown()
+
+
 class FakeExchange:
     def __init__(self):
         import collections

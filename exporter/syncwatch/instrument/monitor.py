@@ -50,6 +50,11 @@ FLUSH_SECONDS = 0.2
 # the most samples or tokens one step() may report: the daemon refuses a record whose cumulative
 # total passes protocol.MAX_TOTAL, so one absurd count would lose every later record of the rank
 MAX_PER_STEP = MAX_TOTAL / 1000
+# step numbers going backwards start at most this many attempts in one process (a resume from a
+# checkpoint without a new process is rare); beyond it, step= is taken for a counter that is not
+# the job's step (a per-epoch batch index, a constant), which would count a restart every epoch
+# or every step, and later ones are numbered previous + 1
+MAX_NEW_ATTEMPTS = 16
 
 # Entry codes. A phase's start is its index, its end the index + EXIT. Layouts:
 #   (phase, mark) (phase + EXIT, mark) (READY, mark, collectives) (DONE, mark)
@@ -80,6 +85,7 @@ class Monitor:
         self.errors = 0
         self._errors_lock = threading.Lock()
         self._refused: set[str] = set()  # step() arguments refused and logged once
+        self._new_attempts = 0  # attempts started by step numbers going backwards
         self.closed = False
         # hot path -> records thread
         self._entries: collections.deque = collections.deque(maxlen=MAX_ENTRIES)
@@ -273,8 +279,14 @@ class Monitor:
         _, end, wall, samples, tokens, number = e
         self._close_ddp()
         number = self._step_number(number)
-        if number <= self.last_step:
-            self._new_attempt(number)
+        if number <= self.last_step and self.last_step_wall:  # after a step: a job counting from 0
+            if self._new_attempts < MAX_NEW_ATTEMPTS:
+                self._new_attempt(number)
+            else:
+                self._refuse("step", number, f"a step number that goes backwards at most "
+                             f"{MAX_NEW_ATTEMPTS} times in a process (the job's own step, not a "
+                             f"per-epoch index)", "taken as the previous step + 1")
+                number = self.last_step + 1
         if tokens is not None:
             self._has_tokens = True
         rec = (number, wall, self._step_start, end, self._spans, self._sync, self._grad,
@@ -424,6 +436,7 @@ class Monitor:
 
     def _new_attempt(self, number: int) -> None:
         """The step number went backwards: the job resumed from an earlier step in this process."""
+        self._new_attempts += 1
         self.identity = dataclasses.replace(self.identity, attempt=self.identity.attempt + 1)
         self.encoder = Encoder(self.identity)
         log.info("syncwatch: step %d after %d: attempt %d", number, self.last_step,
