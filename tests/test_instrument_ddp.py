@@ -326,6 +326,29 @@ def test_zero_code_change_with_fsdp(daemon, sock_path, tmp_path, wrap):
     assert last[1] > last[0]
 
 
+@pytest.mark.parametrize("wrap,call", [("ddp", "keyword"), ("ddp", "dict"),
+                                       ("fully_shard", "keyword")])
+def test_zero_code_counts_the_samples_of_a_model_called_by_keyword_or_with_a_dict(
+        daemon, sock_path, tmp_path, wrap, call):
+    """``model(x=batch)`` (HuggingFace's ``model(**batch)``) and ``model({"x": batch})``: the
+    samples are the batch dimension of the tensor given by keyword or in the dict."""
+    steps, job = 6, f"zc-{wrap}-{call}"
+    with open(tmp_path / "zc.log", "w") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "syncwatch.instrument.run", "--job", job, "--skew-every", "0",
+             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             WORKER, "--wrap", wrap, "--call", call, "--steps", str(steps), "--batch", "24"],
+            env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log, stderr=subprocess.STDOUT,
+            timeout=180)
+    assert proc.returncode == 0, (tmp_path / "zc.log").read_text()[-3000:]
+    assert "syncwatch:" not in (tmp_path / "zc.log").read_text()
+    every = {0: steps, 1: steps}
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)
+    assert m.by_rank("syncwatch_samples_total", train_job=job) == {0: 24 * steps, 1: 24 * steps}
+    assert min(m.by_rank("syncwatch_phase_seconds_total", train_job=job,
+                         phase="forward").values()) > 0
+
+
 def test_rank_stuck_in_a_collective_stays_alive_and_behind(daemon, sock_path, tmp_path):
     job = "hang"
     procs = launch(4, ["--instrument", "explicit", "--steps", "100", "--hang-rank", "1",

@@ -33,13 +33,17 @@ def main():
     p.add_argument("--wrap", choices=("ddp", "fsdp", "fully_shard"), default="ddp",
                    help="DistributedDataParallel, or FSDP units for each layer and the whole "
                         "model: FullyShardedDataParallel or fully_shard")
+    p.add_argument("--call", choices=("positional", "keyword", "dict"), default="positional",
+                   help="call the model as model(x), model(x=x) (HuggingFace's model(**batch)) "
+                        "or model({'x': x})")
     a = p.parse_args()
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
+    layers = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
+    model = layers if a.call == "positional" else _Keyword(layers)
     if a.wrap == "fsdp":
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -47,7 +51,7 @@ def main():
                                        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
     elif a.wrap == "fully_shard":
         from torch.distributed.fsdp import fully_shard
-        for layer in (model[0], model[2], model):
+        for layer in (layers[0], layers[2], model):
             fully_shard(layer)
         ddp = model
     else:
@@ -75,7 +79,8 @@ def main():
         with phase("forward"):
             if rank == a.slow_rank:
                 time.sleep(a.delay)
-            loss = nn.functional.mse_loss(net(x), y)
+            out = net(x=x) if a.call == "keyword" else net({"x": x}) if a.call == "dict" else net(x)
+            loss = nn.functional.mse_loss(out, y)
         with phase("backward"):
             opt.zero_grad()
             loss.backward()
@@ -99,6 +104,17 @@ def main():
 def _local(t):
     """This rank's part of a parameter or gradient (FSDP's are sharded; DDP's are whole)."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+class _Keyword(nn.Module):
+    """The layers behind a forward that takes its input by keyword or in a dict."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, batch=None, *, x=None):
+        return self.layers(batch["x"] if x is None else x)
 
 
 class _NoPhase:

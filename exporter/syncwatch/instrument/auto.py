@@ -18,7 +18,8 @@ initialized (all ranks wrap it, so the side group of the skew exchange can be cr
   next forward (loading, zero_grad, host-to-device copies); ``sync`` = the measured collective
   waits, taken out of the others;
 * a step ends after each ``step()`` of the first optimizer that steps; samples = the batch
-  dimension of the first tensor given to forward, summed over the forwards of the step.
+  dimension of the first tensor given to forward (``batch_size``), summed over the forwards of
+  the step.
 
 Not visible without the explicit API: tokens, checkpoints, the job's own step numbers (hence
 re-run steps after a restart), custom phases, and anything a second optimizer does.
@@ -104,7 +105,7 @@ def _patch_class(cls, attach) -> None:
         steps = self.__dict__.get(ATTACHED)
         if steps is None:
             return orig_forward(self, *inputs, **kwargs)
-        steps.forward_pre(inputs)
+        steps.forward_pre(inputs, kwargs)
         out = orig_forward(self, *inputs, **kwargs)
         steps.forward_post()
         return out
@@ -156,14 +157,11 @@ class _Steps:
             self.cur = self.m.phase(name)
             self.cur.__enter__()
 
-    def forward_pre(self, args):
+    def forward_pre(self, args, kwargs):
         if _state.monitor is not self.m:
             return
         try:
-            for a in args:
-                if getattr(a, "ndim", 0):  # the first tensor that has a batch dimension
-                    self.samples += int(a.shape[0])
-                    break
+            self.samples += batch_size(args, kwargs)
             self.switch("forward")
         except Exception:
             self.m._error()
@@ -187,6 +185,25 @@ class _Steps:
         self.m.step(self.samples)
         self.samples = 0
         self.switch("data")
+
+
+def batch_size(args, kwargs) -> int:
+    """The batch dimension of the first tensor given to forward: ``model(x)``, then
+    ``model(input_ids=x)`` (HuggingFace's ``model(**batch)``), then a tensor in a dict, list or
+    tuple given whole (``model(batch)``); 0 where there is none."""
+    for a in args:
+        if getattr(a, "ndim", 0):
+            return int(a.shape[0])
+    values = kwargs.values()
+    for a in values:
+        if getattr(a, "ndim", 0):
+            return int(a.shape[0])
+    for a in (*args, *values):
+        inner = a.values() if isinstance(a, dict) else a if isinstance(a, (list, tuple)) else ()
+        for b in inner:
+            if getattr(b, "ndim", 0):
+                return int(b.shape[0])
+    return 0
 
 
 _steps: _Steps | None = None
@@ -239,8 +256,9 @@ def _attach_fsdp(model) -> None:
         model.__dict__[ATTACHED] = steps
         _fsdp_undo.append(lambda: model.__dict__.pop(ATTACHED, None))
         return
-    pre = model.register_forward_pre_hook(lambda module, args: steps.forward_pre(args),
-                                          prepend=True)  # before FSDP's all-gather
+    pre = model.register_forward_pre_hook(
+        lambda module, args, kwargs: steps.forward_pre(args, kwargs),
+        prepend=True, with_kwargs=True)  # before FSDP's all-gather
     post = model.register_forward_hook(lambda module, args, out: steps.forward_post(),
                                        always_call=True)
     _fsdp_undo.extend((pre.remove, post.remove))
