@@ -349,6 +349,36 @@ def test_zero_code_counts_the_samples_of_a_model_called_by_keyword_or_with_a_dic
                          phase="forward").values()) > 0
 
 
+def test_zero_code_ends_the_steps_that_a_grad_scaler_skips(daemon, sock_path, tmp_path):
+    """An fp16-style loop through ``GradScaler``: at the steps whose gradients are infinite its
+    ``step()`` skips the optimizer's, and those iterations are steps all the same (they were
+    merged into the next one). The weights are those of the same script without syncwatch."""
+    steps, skipped, job = 10, ["2", "3", "7"], "zc-amp"
+    outs = {k: tmp_path / k for k in ("plain", "zc")}
+    for kind, out in outs.items():
+        out.mkdir()
+        wrapper = [sys.executable, "-m", "syncwatch.instrument.run", "--job", job,
+                   "--skew-every", "0"] if kind == "zc" else []
+        with open(tmp_path / f"{kind}.log", "w") as log:
+            proc = subprocess.run(
+                [*wrapper, sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", "2", WORKER, "--steps", str(steps), "--amp-skip", *skipped,
+                 "--out", str(out)],
+                env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log,
+                stderr=subprocess.STDOUT, timeout=180)
+        assert proc.returncode == 0, (tmp_path / f"{kind}.log").read_text()[-3000:]
+    assert "syncwatch:" not in (tmp_path / "zc.log").read_text()
+    for a, b in zip(load(outs["plain"], 2), load(outs["zc"], 2)):
+        for k in a["weights"]:
+            assert torch.equal(a["weights"][k], b["weights"][k]), k
+    every = {0: steps, 1: steps}
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)
+    assert m.by_rank("syncwatch_steps_total", train_job=job) == every
+    assert m.by_rank("syncwatch_samples_total", train_job=job) == {0: 32 * steps, 1: 32 * steps}
+    assert min(m.by_rank("syncwatch_phase_seconds_total", train_job=job,
+                         phase="optimizer").values()) > 0
+
+
 def test_rank_stuck_in_a_collective_stays_alive_and_behind(daemon, sock_path, tmp_path):
     job = "hang"
     procs = launch(4, ["--instrument", "explicit", "--steps", "100", "--hang-rank", "1",

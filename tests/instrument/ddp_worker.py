@@ -36,6 +36,9 @@ def main():
     p.add_argument("--call", choices=("positional", "keyword", "dict"), default="positional",
                    help="call the model as model(x), model(x=x) (HuggingFace's model(**batch)) "
                         "or model({'x': x})")
+    p.add_argument("--amp-skip", type=int, nargs="*", default=None, metavar="STEP",
+                   help="train through a GradScaler, whose step() skips the optimizer's at these "
+                        "steps (their loss made infinite)")
     a = p.parse_args()
 
     torch.set_num_threads(1)
@@ -60,6 +63,7 @@ def main():
     net = torch.compile(ddp, backend=a.compile) if a.compile else ddp
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     hang_group = dist.new_group([0, 1]) if a.hang_rank >= 0 else None
+    scaler = torch.amp.GradScaler("cpu") if a.amp_skip is not None else None
 
     sw = None
     if a.instrument == "explicit":
@@ -81,12 +85,18 @@ def main():
                 time.sleep(a.delay)
             out = net(x=x) if a.call == "keyword" else net({"x": x}) if a.call == "dict" else net(x)
             loss = nn.functional.mse_loss(out, y)
+            if scaler is not None:
+                loss = scaler.scale(loss * (float("inf") if i in a.amp_skip else 1.0))
         with phase("backward"):
             opt.zero_grad()
             loss.backward()
         grads = [_local(q.grad).clone() for q in ddp.parameters()]
         with phase("optimizer"):
-            opt.step()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
         if sw:
             sw.step(samples=a.batch, step=i + 1)
         if a.step_pause:

@@ -3,8 +3,9 @@
 ``install()`` (run from the ``sitecustomize`` that ``syncwatch-run`` puts on ``PYTHONPATH``)
 waits for the program to import DDP or FSDP and then patches them (``PATCHES``):
 ``DistributedDataParallel.__init__`` and ``forward``, ``FullyShardedDataParallel.__init__`` and
-``forward``, and ``fully_shard``. When a model is wrapped with ``torch.distributed``
-initialized (all ranks wrap it, so the side group of the skew exchange can be created there):
+``forward``, ``fully_shard``, and ``GradScaler.step``. When a model is wrapped with
+``torch.distributed`` initialized (all ranks wrap it, so the side group of the skew exchange can
+be created there):
 
 * ``syncwatch.instrument.init()`` runs (identity from the launcher's environment);
 * the torch.distributed collectives are wrapped (sequence numbers, waits outside DDP; FSDP's
@@ -17,7 +18,8 @@ initialized (all ranks wrap it, so the side group of the skew exchange can be cr
   optimizer step (loss, backward, gradient clipping), ``data`` = from the optimizer step to the
   next forward (loading, zero_grad, host-to-device copies); ``sync`` = the measured collective
   waits, taken out of the others;
-* a step ends after each ``step()`` of the first optimizer that steps; samples = the batch
+* a step ends after each ``step()`` of the first optimizer that steps, or a ``GradScaler.step``
+  of it that skipped ``step()`` (inf or NaN gradients); samples = the batch
   dimension of the first tensor given to forward (``batch_size``), summed over the forwards of
   the step.
 
@@ -147,6 +149,7 @@ class _Steps:
         self.cur = None
         self.optimizer_id = None
         self.samples = 0
+        self.steps = 0  # steps ended
         self.switch("data")
 
     def switch(self, name: str | None) -> None:
@@ -181,9 +184,23 @@ class _Steps:
     def optimizer_post(self, optimizer, args, kwargs):
         if _state.monitor is not self.m or id(optimizer) != self.optimizer_id:
             return
+        self.end_step()
+
+    def scaler_skipped(self, optimizer):
+        """A ``GradScaler.step(optimizer)`` that skipped the optimizer's ``step()`` (inf or NaN
+        gradients): the iteration still ends, as if it had stepped."""
+        if _state.monitor is not self.m:
+            return
+        if self.optimizer_id is None:
+            self.optimizer_id = id(optimizer)
+        if id(optimizer) == self.optimizer_id:
+            self.end_step()
+
+    def end_step(self):
         self.switch(None)
         self.m.step(self.samples)
         self.samples = 0
+        self.steps += 1
         self.switch("data")
 
 
@@ -204,6 +221,33 @@ def batch_size(args, kwargs) -> int:
             if getattr(b, "ndim", 0):
                 return int(b.shape[0])
     return 0
+
+
+def _patch_grad_scaler_module(module) -> None:
+    """Wrap ``GradScaler.step``, once: a step it skips (inf or NaN gradients, frequent while an
+    fp16 job calibrates its loss scale) calls no optimizer ``step()``, and would otherwise merge
+    that iteration into the next step."""
+    cls = module.GradScaler
+    if getattr(cls, "_syncwatch_patched", False):
+        return
+    orig = cls.step
+
+    @functools.wraps(orig)
+    def step(self, optimizer, *args, **kwargs):
+        steps = _steps
+        if steps is None:
+            return orig(self, optimizer, *args, **kwargs)
+        before = steps.steps
+        out = orig(self, optimizer, *args, **kwargs)
+        if steps.steps == before:
+            try:
+                steps.scaler_skipped(optimizer)
+            except Exception:
+                steps.m._error()
+        return out
+
+    cls.step = step
+    cls._syncwatch_patched = True
 
 
 _steps: _Steps | None = None
@@ -268,4 +312,5 @@ PATCHES = {  # module -> what patches it once it has executed
     "torch.nn.parallel.distributed": _patch_ddp_module,
     "torch.distributed.fsdp.fully_sharded_data_parallel": _patch_fsdp_module,
     "torch.distributed.fsdp._fully_shard._fully_shard": _patch_fully_shard_module,
+    "torch.amp.grad_scaler": _patch_grad_scaler_module,
 }
