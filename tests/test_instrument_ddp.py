@@ -349,6 +349,25 @@ def test_zero_code_counts_the_samples_of_a_model_called_by_keyword_or_with_a_dic
                          phase="forward").values()) > 0
 
 
+def test_zero_code_counts_samples_once_when_a_second_ddp_model_sees_them_too(
+        daemon, sock_path, tmp_path):
+    """Distillation: a DDP teacher runs forward on each batch before the student. The samples
+    are those of the first model's forwards, not of both."""
+    steps, job = 6, "zc-teacher"
+    with open(tmp_path / "zc.log", "w") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "syncwatch.instrument.run", "--job", job, "--skew-every", "0",
+             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             WORKER, "--teacher", "--steps", str(steps), "--batch", "24"],
+            env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log, stderr=subprocess.STDOUT,
+            timeout=180)
+    assert proc.returncode == 0, (tmp_path / "zc.log").read_text()[-3000:]
+    assert "syncwatch:" not in (tmp_path / "zc.log").read_text()
+    every = {0: steps, 1: steps}
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)
+    assert m.by_rank("syncwatch_samples_total", train_job=job) == {0: 24 * steps, 1: 24 * steps}
+
+
 def test_zero_code_ends_the_steps_that_a_grad_scaler_skips(daemon, sock_path, tmp_path):
     """An fp16-style loop through ``GradScaler``: at the steps whose gradients are infinite its
     ``step()`` skips the optimizer's, and those iterations are steps all the same (they were

@@ -39,6 +39,9 @@ def main():
     p.add_argument("--amp-skip", type=int, nargs="*", default=None, metavar="STEP",
                    help="train through a GradScaler, whose step() skips the optimizer's at these "
                         "steps (their loss made infinite)")
+    p.add_argument("--teacher", action="store_true",
+                   help="distillation: a second DDP model (a frozen teacher) runs forward on "
+                        "the same batch first, and the loss also pulls towards its output")
     a = p.parse_args()
 
     torch.set_num_threads(1)
@@ -61,6 +64,10 @@ def main():
         kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
         ddp = DDP(model, **kw)
     net = torch.compile(ddp, backend=a.compile) if a.compile else ddp
+    teacher = None
+    if a.teacher:
+        torch.manual_seed(1)
+        teacher = DDP(nn.Sequential(nn.Linear(128, 128)))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     hang_group = dist.new_group([0, 1]) if a.hang_rank >= 0 else None
     scaler = torch.amp.GradScaler("cpu") if a.amp_skip is not None else None
@@ -83,6 +90,9 @@ def main():
         with phase("forward"):
             if rank == a.slow_rank:
                 time.sleep(a.delay)
+            if teacher is not None:
+                with torch.no_grad():
+                    y = (y + teacher(x)) / 2
             out = net(x=x) if a.call == "keyword" else net({"x": x}) if a.call == "dict" else net(x)
             loss = nn.functional.mse_loss(out, y)
             if scaler is not None:

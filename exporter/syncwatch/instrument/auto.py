@@ -19,9 +19,9 @@ be created there):
   next forward (loading, zero_grad, host-to-device copies); ``sync`` = the measured collective
   waits, taken out of the others;
 * a step ends after each ``step()`` of the first optimizer that steps, or a ``GradScaler.step``
-  of it that skipped ``step()`` (inf or NaN gradients); samples = the batch
-  dimension of the first tensor given to forward (``batch_size``), summed over the forwards of
-  the step.
+  of it that skipped ``step()`` (inf or NaN gradients); samples = the batch dimension of the
+  first tensor given to forward (``batch_size``), summed over the step's forwards of the first
+  model that runs one.
 
 Not visible without the explicit API: tokens, checkpoints, the job's own step numbers (hence
 re-run steps after a restart), custom phases, and anything a second optimizer does.
@@ -107,7 +107,7 @@ def _patch_class(cls, attach) -> None:
         steps = self.__dict__.get(ATTACHED)
         if steps is None:
             return orig_forward(self, *inputs, **kwargs)
-        steps.forward_pre(inputs, kwargs)
+        steps.forward_pre(self, inputs, kwargs)
         out = orig_forward(self, *inputs, **kwargs)
         steps.forward_post()
         return out
@@ -148,6 +148,7 @@ class _Steps:
         self.m = monitor
         self.cur = None
         self.optimizer_id = None
+        self.model_id = None  # the model whose forwards count the samples: the first to run
         self.samples = 0
         self.steps = 0  # steps ended
         self.switch("data")
@@ -160,11 +161,14 @@ class _Steps:
             self.cur = self.m.phase(name)
             self.cur.__enter__()
 
-    def forward_pre(self, args, kwargs):
+    def forward_pre(self, model, args, kwargs):
         if _state.monitor is not self.m:
             return
         try:
-            self.samples += batch_size(args, kwargs)
+            if self.model_id is None:
+                self.model_id = id(model)
+            if id(model) == self.model_id:  # a second model (a teacher, a GAN's other half)
+                self.samples += batch_size(args, kwargs)  # sees the same samples again
             self.switch("forward")
         except Exception:
             self.m._error()
@@ -301,7 +305,7 @@ def _attach_fsdp(model) -> None:
         _fsdp_undo.append(lambda: model.__dict__.pop(ATTACHED, None))
         return
     pre = model.register_forward_pre_hook(
-        lambda module, args, kwargs: steps.forward_pre(args, kwargs),
+        lambda module, args, kwargs: steps.forward_pre(module, args, kwargs),
         prepend=True, with_kwargs=True)  # before FSDP's all-gather
     post = model.register_forward_hook(lambda module, args, out: steps.forward_post(),
                                        always_call=True)
