@@ -5,8 +5,10 @@ on (``Model.p`` is read on every step), and the score read 15 minutes after onse
 rules' windows (5m means, a 30m baseline ending 10m back, 1h re-run window) need to see a change.
 The score is computed here exactly as the recording rules compute it, from the same thresholds
 (``syncwatch.rules.thresholds``), on what the daemon would export: the rolling step CV and lag-1
-autocorrelation over the last W = 100 steps, the barrier skew (max - min wait) per step, and re-run
-steps per executed step.
+autocorrelation over the last W = 100 steps (each step less its checkpoint phase, as the daemon
+reads them), the barrier skew (max - min wait) per step, re-run steps per executed step, and
+restarts in the last hour. ``checkpointing`` is the healthy cluster with a 20 s checkpoint every
+300 steps from the start: healthy too.
 
     python benchmarks/calibrate_instability.py [--seeds 3] [--nodes 4] [--ranks-per-node 8]
 
@@ -25,14 +27,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
 
 from syncwatch.rules.thresholds import THRESHOLDS as T, WINDOWS as WIN  # noqa: E402
-from syncwatch.sim.model import Model, Restart, lag1_autocorrelation, step_cv  # noqa: E402
+from syncwatch.sim.model import I_CKPT, Model, Restart, lag1_autocorrelation, step_cv  # noqa: E402
 from syncwatch.sim.scenarios import scenario_params  # noqa: E402
 
 W = 100          # the daemon's rolling window (steps)
 WARMUP = 40 * 60.0
 AFTER = 15 * 60.0
-COMPONENTS = ("cv", "cv_counters", "cv_growth", "skew", "skew_growth", "oscillation", "rerun")
-SCENARIOS = ("healthy", "straggler", "oscillation", "congestion", "thermal", "restarts")
+COMPONENTS = ("cv", "cv_counters", "cv_growth", "skew", "skew_growth", "oscillation", "rerun",
+              "restarts")
+SCENARIOS = ("healthy", "checkpointing", "straggler", "oscillation", "congestion", "thermal",
+             "restarts")
+HEALTHY = ("healthy", "checkpointing")  # target < 0.2; the others > 0.5
+# healthy, with a 20 s checkpoint every 300 steps of 1 s from the start: planned pauses, not jitter
+CHECKPOINTING = dict(checkpoint_every=300, checkpoint_seconds=20.0)
 
 
 def clamp01(x: float) -> float:
@@ -44,15 +51,19 @@ def component(value: float, ok: float, bad: float) -> float:
 
 
 def run(name: str, seed: int, nodes: int, rpn: int) -> dict[str, float]:
-    healthy = scenario_params("healthy", nodes, rpn)
-    degraded = scenario_params(name, nodes, rpn)
+    if name == "checkpointing":
+        healthy = degraded = scenario_params("healthy", nodes, rpn, **CHECKPOINTING)
+    else:
+        healthy, degraded = scenario_params("healthy", nodes, rpn), scenario_params(name, nodes, rpn)
     if name == "straggler":
         degraded = replace(degraded, straggler_from_step=0)
     model = Model(healthy, seed)
-    samples = []        # (time, rolling cv, rolling autocorr, skew, step seconds, rerun, executed)
+    # (time, rolling cv, rolling autocorr, skew, step seconds, rerun, executed, step less checkpoint)
+    samples = []
     recent: list[float] = []
     onset = None
     rerun = 0
+    restarts: list[float] = []  # their times
     while model.time < WARMUP + AFTER:
         if onset is None and model.time >= WARMUP:
             onset = model.time
@@ -62,11 +73,13 @@ def run(name: str, seed: int, nodes: int, rpn: int) -> dict[str, float]:
         ev = model.next()
         if isinstance(ev, Restart):
             rerun += ev.rerun_steps
+            restarts.append(model.time)
             recent = []     # a new process: the daemon's rolling window starts over
             continue
-        recent = (recent + [ev.step_seconds])[-W:]
+        paced = ev.step_seconds - ev.phases[0][I_CKPT]  # as the daemon's window and mean1m read it
+        recent = (recent + [paced])[-W:]
         samples.append((model.time, step_cv(recent), lag1_autocorrelation(recent), ev.skew,
-                        ev.step_seconds, rerun, model.executed))
+                        ev.step_seconds, rerun, model.executed, paced))
     now = samples[-1][0]
 
     def window(start: float, end: float):
@@ -76,7 +89,7 @@ def run(name: str, seed: int, nodes: int, rpn: int) -> dict[str, float]:
     for k in range(int(WIN.cv_counters // WIN.rate_short)):
         end = now - k * WIN.rate_short
         minute = window(end - WIN.rate_short, end)
-        minute_means.append(sum(s[4] for s in minute) / len(minute))
+        minute_means.append(sum(s[7] for s in minute) / len(minute))
     cv_counters = statistics.pstdev(minute_means) / statistics.fmean(minute_means)
     last5 = window(now - WIN.rate, now)
     cv = statistics.fmean(s[1] for s in last5)
@@ -88,6 +101,7 @@ def run(name: str, seed: int, nodes: int, rpn: int) -> dict[str, float]:
     osc = max(0.0, -statistics.fmean(s[2] for s in last5))
     hour = window(now - WIN.restarts, now)
     rerun_ratio = (hour[-1][5] - hour[0][5]) / max(1, hour[-1][6] - hour[0][6])
+    restarts_1h = sum(1 for t in restarts if t > now - WIN.restarts)
     comps = {
         "cv": component(cv, T.inst_cv_ok, T.inst_cv_bad),
         "cv_counters": component(cv_counters, T.inst_cv_counters_ok, T.inst_cv_counters_bad),
@@ -96,12 +110,15 @@ def run(name: str, seed: int, nodes: int, rpn: int) -> dict[str, float]:
         "skew_growth": component(skew_growth, T.inst_skew_growth_ok, T.inst_skew_growth_bad),
         "oscillation": component(osc, T.inst_osc_ok, T.inst_osc_bad),
         "rerun": component(rerun_ratio, T.inst_rerun_ok, T.inst_rerun_bad),
+        "restarts": component(restarts_1h, T.inst_restarts_ok, T.inst_restarts_bad),
     }
     prod = 1.0
     for c in comps.values():
         prod *= 1.0 - c
-    return {"CV": cv, "CV counters": cv_counters, "growth": growth, "skew/step": skew_ratio, "skew growth": skew_growth, "osc": osc, "rerun": rerun_ratio,
-            **comps, "score": 1.0 - prod}
+    return {"CV": cv, "CV counters": cv_counters, "growth": growth, "skew/step": skew_ratio,
+            "skew growth": skew_growth, "osc": osc, "re-run": rerun_ratio,
+            "restarts 1h": restarts_1h, **comps,
+            "score": 1.0 - prod}
 
 
 def main() -> int:
@@ -110,7 +127,8 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--ranks-per-node", type=int, default=8)
     args = ap.parse_args()
-    raw = ("CV", "CV counters", "growth", "skew/step", "skew growth", "osc", "rerun")
+    raw = ("CV", "CV counters", "growth", "skew/step", "skew growth", "osc", "re-run",
+           "restarts 1h")
     print(f"{args.nodes} nodes x {args.ranks_per_node} ranks, {args.seeds} seeds; inputs and score "
           f"15 min after onset (mean over seeds; score max in brackets)\n")
     print(f"{'scenario':12s}" + "".join(f"{k:>12s}" for k in raw) + f"{'score':>16s}")
@@ -119,10 +137,10 @@ def main() -> int:
         rows = [run(name, seed, args.nodes, args.ranks_per_node) for seed in range(args.seeds)]
         mean = {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
         lo, hi = min(r["score"] for r in rows), max(r["score"] for r in rows)
-        good = hi < 0.2 if name == "healthy" else lo > 0.5
+        good = hi < 0.2 if name in HEALTHY else lo > 0.5
         ok &= good
         print(f"{name:12s}" + "".join(f"{mean[k]:12.3f}" for k in raw)
-              + f"{mean['score']:9.3f} [{hi if name == 'healthy' else lo:.3f}]"
+              + f"{mean['score']:9.3f} [{hi if name in HEALTHY else lo:.3f}]"
               + ("" if good else "  <-- off target"))
     print("\ncomponents (mean over seeds):")
     print(f"{'scenario':12s}" + "".join(f"{k:>12s}" for k in COMPONENTS))

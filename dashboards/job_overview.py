@@ -90,10 +90,12 @@ def build() -> db.Dashboard:
         .with_panel(
             panel(timeseries.Panel(), "Instability score and its components",
                   "Instability beside its components, each scaled 0..1 by the recording rules: cv "
-                  "(step-time coefficient of variation), cv_growth (CV against its own baseline), "
-                  "skew (barrier skew per step), oscillation (fast/slow alternation: negative lag-1 "
-                  "autocorrelation) and rerun (share of steps repeated after restarts). The "
-                  "component that rises with the score is the failure mode.",
+                  "(step-time coefficient of variation), cv_counters (swings of whole minutes), "
+                  "cv_growth (CV against its own baseline), skew (barrier skew per step), "
+                  "skew_growth (skew against its own baseline), oscillation (fast/slow "
+                  "alternation: negative lag-1 autocorrelation), rerun (share of steps repeated "
+                  "after restarts) and restarts (restarts in the last hour). The component that "
+                  "rises with the score is the failure mode.",
                   query(f'train_job:syncwatch_instability:score{{{JOB}}}', "instability"),
                   query(f'train_job:syncwatch_instability:component{{{JOB}}}', "{{component}}"),
                   unit="percentunit")

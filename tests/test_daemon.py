@@ -103,6 +103,29 @@ def test_step_cv_and_autocorrelation_over_the_window(sock_path):
     assert ac < -0.5  # the alternating pattern reads as oscillation
 
 
+def test_step_cv_leaves_the_checkpoint_phase_out(sock_path):
+    """Steps of 0.1 s with a 5 s checkpoint every 7th: the CV and autocorrelation read the steps
+    less their checkpoint phase (planned pauses, not jitter); the step counters and the
+    step-duration histogram keep the whole step."""
+    rng = random.Random(5)
+    paced = [rng.uniform(0.09, 0.11) for _ in range(30)]
+    ckpt = [5.0 if i % 7 == 6 else 0.0 for i in range(30)]
+    with DaemonThread(config(sock_path, window=20)) as d:
+        sim, c = RankSim(identity(0)), Client(d.socket_path)
+        c.send(*(sim.step(i + 1, x + k, phases=(0.02, 0.03, x - 0.05, 0.0, 0.0, k, 0.0))
+                 for i, (x, k) in enumerate(zip(paced, ckpt))))
+        wait_records(d.url, 30)
+        m = scrape(d.url)
+    w = paced[-20:]
+    cv = value(m, "syncwatch_step_cv", train_job="job-a", rank=0)
+    assert cv == pytest.approx(statistics.pstdev(w) / statistics.mean(w), rel=1e-9)
+    assert cv < 0.1  # with the checkpoints counted in it would be ~3
+    assert value(m, "syncwatch_step_seconds_total", train_job="job-a", rank=0) == pytest.approx(
+        sum(paced) + sum(ckpt))
+    assert value(m, "syncwatch_phase_seconds_total", train_job="job-a", rank=0,
+                 phase="checkpoint") == pytest.approx(sum(ckpt))
+
+
 def _valid_step() -> bytes:
     return RankSim(identity(5)).step(1, 0.1)
 

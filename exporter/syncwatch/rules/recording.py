@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from .render import Ctx
 
+SYNC_PHASE = 'syncwatch_phase_seconds_total{phase="sync"}'
+CHECKPOINT_PHASE = 'syncwatch_phase_seconds_total{phase="checkpoint"}'
 # One series per (train_job, rank) carrying the rank's node; topk keeps it unique while a
 # restarted rank's previous process (other pid or node) is still within the daemon's rank TTL.
-SYNC_PHASE = 'syncwatch_phase_seconds_total{phase="sync"}'
 RANK_NODE = "topk by (train_job, rank) (1, syncwatch_rank_info)"
 
 
@@ -41,8 +42,13 @@ def recording_rules(c: Ctx) -> list[dict]:
          "expr": f"avg by (train_job) (rate(syncwatch_steps_total[{r}]))"},
         {"record": "train_job:syncwatch_step_seconds:mean5m",
          "expr": f"{rate_by('syncwatch_step_seconds_total', r)}\n/\n{rate_by('syncwatch_steps_total', r)}"},
+        # less the checkpoint phase (a planned pause, not jitter; the daemon's step_cv reads the
+        # same), which is 0 where no rank reports one
         {"record": "train_job:syncwatch_step_seconds:mean1m",
-         "expr": f"{rate_by('syncwatch_step_seconds_total', rs)}\n/\n{rate_by('syncwatch_steps_total', rs)}"},
+         "expr": f"(\n  {rate_by('syncwatch_step_seconds_total', rs)}\n"
+                 f"  - ({rate_by(CHECKPOINT_PHASE, rs)}\n"
+                 f"     or 0 * {rate_by('syncwatch_step_seconds_total', rs)})\n)\n"
+                 f"/\n{rate_by('syncwatch_steps_total', rs)}"},
         {"record": "train_job:syncwatch_samples:rate5m",
          "expr": rate_by("syncwatch_samples_total", r)},
         {"record": "train_job:syncwatch_tokens:rate5m",
@@ -139,6 +145,8 @@ def recording_rules(c: Ctx) -> list[dict]:
                    t.inst_skew_growth_bad),
         _component("oscillation", "train_job:syncwatch_oscillation:avg5m", t.inst_osc_ok, t.inst_osc_bad),
         _component("rerun", "train_job:syncwatch_rerun:ratio1h", t.inst_rerun_ok, t.inst_rerun_bad),
+        _component("restarts", "train_job:syncwatch_restarts:increase1h", t.inst_restarts_ok,
+                   t.inst_restarts_bad),
         # 1 - prod(1 - c_i), written as a sum of logs so a missing component simply drops out.
         {"record": "train_job:syncwatch_instability:score",
          "expr": "1 - exp(sum by (train_job) (ln(1 - train_job:syncwatch_instability:component)))"},

@@ -105,6 +105,8 @@ class Thresholds:
     inst_osc_bad: float = 0.7
     inst_rerun_ok: float = 0.0
     inst_rerun_bad: float = 0.2
+    inst_restarts_ok: float = 0.0       # restarts in the last hour; bad at JobRestarting's level
+    inst_restarts_bad: float = 2.0
 
 
 RUNBOOK_BASE = "https://github.com/syncwatch/syncwatch/blob/main/docs/runbook.md"
