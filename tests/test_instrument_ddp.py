@@ -160,16 +160,21 @@ def test_fsdp_results_identical_with_and_without_syncwatch(sock_path, tmp_path, 
     explicit = launch(world, [*args, "--instrument", "explicit", "--out", str(outs["explicit"])],
                       tmp_path, "explicit", SYNCWATCH_SOCKET=sock_path, SYNCWATCH_SKEW_EVERY="5")
     finish(explicit, tmp_path, "explicit")
-    for a, b in zip(load(outs["plain"], world), load(outs["explicit"], world)):
-        assert a["weights"].keys() == b["weights"].keys() and a["weights"]
-        for k in a["weights"]:
-            assert torch.equal(a["weights"][k], b["weights"][k]), k
-        for ga, gb in zip(a["grads"], b["grads"], strict=True):
-            assert torch.equal(ga, gb)
+    assert_same_results(outs["plain"], outs["explicit"], world)
 
 
 def load(out: Path, world: int):
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+def assert_same_results(expected: Path, got: Path, world: int) -> None:
+    """Each rank's saved weights and last gradients (FSDP: its shards) are bit-identical."""
+    for a, b in zip(load(expected, world), load(got, world), strict=True):
+        assert a["weights"].keys() == b["weights"].keys() and a["weights"], got
+        for k in a["weights"]:
+            assert torch.equal(a["weights"][k], b["weights"][k]), (got, k)
+        for ga, gb in zip(a["grads"], b["grads"], strict=True):
+            assert torch.equal(ga, gb), got
 
 
 def test_results_identical_with_daemon_absent_killed_and_restarted(sock_path, tmp_path):
@@ -214,25 +219,45 @@ def test_results_identical_with_daemon_absent_killed_and_restarted(sock_path, tm
             p.kill()
         first.__exit__(None, None, None)
         second.__exit__(None, None, None)
-    ref = load(outs["plain"], world)
     for kind in ("absent", "restarted"):
-        for a, b in zip(ref, load(outs[kind], world)):
-            for k in a["weights"]:
-                assert torch.equal(a["weights"][k], b["weights"][k]), (kind, k)
-            for ga, gb in zip(a["grads"], b["grads"]):
-                assert torch.equal(ga, gb), kind
+        assert_same_results(outs["plain"], outs[kind], world)
+
+
+def torchrun(tmp_path: Path, sock_path: str, args: list[str], job: str | None = None,
+             world: int = 2, skew_every: int = 0) -> str:
+    """Run ``WORKER args`` on ``world`` ranks under torch.distributed.run: unmodified, or under
+    ``syncwatch-run --job job`` when a job is given. Asserts it succeeded; returns its output."""
+    wrapper = [sys.executable, "-m", "syncwatch.instrument.run", "--job", job, "--skew-every",
+               str(skew_every)] if job else []
+    path = tmp_path / f"{job or 'plain'}.log"
+    with open(path, "w") as log:
+        proc = subprocess.run(
+            [*wrapper, sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node", str(world), WORKER, *args],
+            env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log, stderr=subprocess.STDOUT,
+            timeout=180)
+    text = path.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    return text
+
+
+def zero_code_changes_no_result(tmp_path: Path, sock_path: str, args: list[str], job: str,
+                                world: int = 2, skew_every: int = 0) -> None:
+    """The script run unmodified and under ``syncwatch-run``: the same weights and gradients
+    (FSDP: shards), and none of syncwatch's warnings."""
+    outs = {k: tmp_path / k for k in ("plain", "zc")}
+    for kind, out in outs.items():
+        out.mkdir()
+        text = torchrun(tmp_path, sock_path, [*args, "--out", str(out)],
+                        job if kind == "zc" else None, world, skew_every)
+    assert "syncwatch:" not in text
+    assert_same_results(outs["plain"], outs["zc"], world)
 
 
 def test_zero_code_change_under_syncwatch_run(daemon, sock_path, tmp_path):
     steps, delay = 40, 0.03
-    log = open(tmp_path / "zc.log", "w")
-    proc = subprocess.run(
-        [sys.executable, "-m", "syncwatch.instrument.run", "--job", "zc", "--skew-every", "10",
-         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         WORKER, "--steps", str(steps), "--slow-rank", "1", "--delay", str(delay)],
-        env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log, stderr=subprocess.STDOUT,
-        timeout=120)
-    assert proc.returncode == 0, (tmp_path / "zc.log").read_text()[-3000:]
+    torchrun(tmp_path, sock_path, ["--steps", str(steps), "--slow-rank", "1", "--delay",
+                                   str(delay)], "zc", skew_every=10)
     m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job="zc")
                      == {0: steps, 1: steps})
     assert m.by_rank("syncwatch_steps_total", train_job="zc") == {0: steps, 1: steps}
@@ -255,25 +280,9 @@ def test_zero_code_change_under_syncwatch_run(daemon, sock_path, tmp_path):
 def test_zero_code_change_under_torch_compile_changes_no_result(daemon, sock_path, tmp_path):
     """torch.compile traces DDP's patched forward (and breaks its graph there): the weights and
     gradients are those of the same compiled script run without syncwatch, and steps are seen."""
-    steps, world = 12, 2
-    outs = {k: tmp_path / k for k in ("plain", "zc")}
-    for kind, out in outs.items():
-        out.mkdir()
-        wrap = [sys.executable, "-m", "syncwatch.instrument.run", "--job", "zcc"] \
-            if kind == "zc" else []
-        with open(tmp_path / f"{kind}.log", "w") as log:
-            proc = subprocess.run(
-                [*wrap, sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", str(world), WORKER, "--steps", str(steps),
-                 "--compile", "aot_eager", "--out", str(out)],
-                env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log,
-                stderr=subprocess.STDOUT, timeout=180)
-        assert proc.returncode == 0, (tmp_path / f"{kind}.log").read_text()[-3000:]
-    for a, b in zip(load(outs["plain"], world), load(outs["zc"], world)):
-        for k in a["weights"]:
-            assert torch.equal(a["weights"][k], b["weights"][k]), k
-        for ga, gb in zip(a["grads"], b["grads"]):
-            assert torch.equal(ga, gb)
+    steps = 12
+    zero_code_changes_no_result(tmp_path, sock_path, ["--steps", str(steps), "--compile",
+                                                      "aot_eager"], "zcc")
     m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job="zcc")
                      == {0: steps, 1: steps})
     assert m.by_rank("syncwatch_steps_total", train_job="zcc") == {0: steps, 1: steps}
@@ -288,26 +297,10 @@ def test_zero_code_change_with_fsdp(daemon, sock_path, tmp_path, wrap):
     """``syncwatch-run`` on an unmodified FSDP script: the root's forward drives the phases (the
     nested units switch nothing), FSDP's collectives are the sync wait, and the weights and
     gradient shards are those of the same script run without syncwatch."""
-    steps, delay, world, job = 30, 0.05, 2, f"zc-{wrap}"
-    outs = {k: tmp_path / k for k in ("plain", "zc")}
-    for kind, out in outs.items():
-        out.mkdir()
-        wrapper = [sys.executable, "-m", "syncwatch.instrument.run", "--job", job,
-                   "--skew-every", "10"] if kind == "zc" else []
-        with open(tmp_path / f"{kind}.log", "w") as log:
-            proc = subprocess.run(
-                [*wrapper, sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", str(world), WORKER, "--wrap", wrap, "--steps", str(steps),
-                 "--slow-rank", "1", "--delay", str(delay), "--out", str(out)],
-                env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log,
-                stderr=subprocess.STDOUT, timeout=180)
-        assert proc.returncode == 0, (tmp_path / f"{kind}.log").read_text()[-3000:]
-    assert "syncwatch:" not in (tmp_path / "zc.log").read_text()  # none of its warnings
-    for a, b in zip(load(outs["plain"], world), load(outs["zc"], world)):
-        for k in a["weights"]:
-            assert torch.equal(a["weights"][k], b["weights"][k]), k
-        for ga, gb in zip(a["grads"], b["grads"], strict=True):
-            assert torch.equal(ga, gb)
+    steps, delay, job = 30, 0.05, f"zc-{wrap}"
+    zero_code_changes_no_result(tmp_path, sock_path, [
+        "--wrap", wrap, "--steps", str(steps), "--slow-rank", "1", "--delay", str(delay)], job,
+        skew_every=10)
     every = {0: steps, 1: steps}
     m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)
     assert m.by_rank("syncwatch_steps_total", train_job=job) == every
@@ -333,15 +326,9 @@ def test_zero_code_counts_the_samples_of_a_model_called_by_keyword_or_with_a_dic
     """``model(x=batch)`` (HuggingFace's ``model(**batch)``) and ``model({"x": batch})``: the
     samples are the batch dimension of the tensor given by keyword or in the dict."""
     steps, job = 6, f"zc-{wrap}-{call}"
-    with open(tmp_path / "zc.log", "w") as log:
-        proc = subprocess.run(
-            [sys.executable, "-m", "syncwatch.instrument.run", "--job", job, "--skew-every", "0",
-             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             WORKER, "--wrap", wrap, "--call", call, "--steps", str(steps), "--batch", "24"],
-            env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log, stderr=subprocess.STDOUT,
-            timeout=180)
-    assert proc.returncode == 0, (tmp_path / "zc.log").read_text()[-3000:]
-    assert "syncwatch:" not in (tmp_path / "zc.log").read_text()
+    text = torchrun(tmp_path, sock_path, ["--wrap", wrap, "--call", call, "--steps", str(steps),
+                                          "--batch", "24"], job)
+    assert "syncwatch:" not in text
     every = {0: steps, 1: steps}
     m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)
     assert m.by_rank("syncwatch_samples_total", train_job=job) == {0: 24 * steps, 1: 24 * steps}
@@ -354,15 +341,8 @@ def test_zero_code_counts_samples_once_when_a_second_ddp_model_sees_them_too(
     """Distillation: a DDP teacher runs forward on each batch before the student. The samples
     are those of the first model's forwards, not of both."""
     steps, job = 6, "zc-teacher"
-    with open(tmp_path / "zc.log", "w") as log:
-        proc = subprocess.run(
-            [sys.executable, "-m", "syncwatch.instrument.run", "--job", job, "--skew-every", "0",
-             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             WORKER, "--teacher", "--steps", str(steps), "--batch", "24"],
-            env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log, stderr=subprocess.STDOUT,
-            timeout=180)
-    assert proc.returncode == 0, (tmp_path / "zc.log").read_text()[-3000:]
-    assert "syncwatch:" not in (tmp_path / "zc.log").read_text()
+    text = torchrun(tmp_path, sock_path, ["--teacher", "--steps", str(steps), "--batch", "24"], job)
+    assert "syncwatch:" not in text
     every = {0: steps, 1: steps}
     m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)
     assert m.by_rank("syncwatch_samples_total", train_job=job) == {0: 24 * steps, 1: 24 * steps}
@@ -372,24 +352,9 @@ def test_zero_code_ends_the_steps_that_a_grad_scaler_skips(daemon, sock_path, tm
     """An fp16-style loop through ``GradScaler``: at the steps whose gradients are infinite its
     ``step()`` skips the optimizer's, and those iterations are steps all the same (they were
     merged into the next one). The weights are those of the same script without syncwatch."""
-    steps, skipped, job = 10, ["2", "3", "7"], "zc-amp"
-    outs = {k: tmp_path / k for k in ("plain", "zc")}
-    for kind, out in outs.items():
-        out.mkdir()
-        wrapper = [sys.executable, "-m", "syncwatch.instrument.run", "--job", job,
-                   "--skew-every", "0"] if kind == "zc" else []
-        with open(tmp_path / f"{kind}.log", "w") as log:
-            proc = subprocess.run(
-                [*wrapper, sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", "2", WORKER, "--steps", str(steps), "--amp-skip", *skipped,
-                 "--out", str(out)],
-                env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log,
-                stderr=subprocess.STDOUT, timeout=180)
-        assert proc.returncode == 0, (tmp_path / f"{kind}.log").read_text()[-3000:]
-    assert "syncwatch:" not in (tmp_path / "zc.log").read_text()
-    for a, b in zip(load(outs["plain"], 2), load(outs["zc"], 2)):
-        for k in a["weights"]:
-            assert torch.equal(a["weights"][k], b["weights"][k]), k
+    steps, job = 10, "zc-amp"
+    zero_code_changes_no_result(tmp_path, sock_path, ["--steps", str(steps), "--amp-skip", "2",
+                                                      "3", "7"], job)
     every = {0: steps, 1: steps}
     m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)
     assert m.by_rank("syncwatch_steps_total", train_job=job) == every
