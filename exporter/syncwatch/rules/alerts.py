@@ -98,15 +98,27 @@ def stragglers(c: Ctx) -> list[dict]:
     ]
 
 
+def checkpointing(c: Ctx, by: str) -> str:
+    """The (train_job[, rank]) with a rank saving a checkpoint (its heartbeats' phase) for less
+    than the allowance: a long save makes no step and enters no collective, yet is no stall."""
+    return (f'max by ({by}) (syncwatch_rank_phase_elapsed_seconds{{phase="checkpoint"}})'
+            f" < {c.seconds(c.windows.checkpoint_allowance)}")
+
+
 def progress(c: Ctx) -> list[dict]:
     w, t = c.windows, c.thresholds
     return [
         alert(c, "SyncwatchJobStalled",
               f"(\n  time() - max by (train_job) (syncwatch_last_step_timestamp_seconds)\n)\n"
-              f"> on (train_job)\nclamp_min(\n"
-              f"  {t.stall_factor:g} * max_over_time(train_job:syncwatch_step_seconds:mean5m[{c.d(w.stall_memory)}]),\n"
-              f"  {c.seconds(w.stall_min)}\n)\n"
-              f"and on (train_job)\ngroup by (train_job) (syncwatch_rank_info)",
+              # the remembered step time is NaN once the job made no step for the whole memory
+              # (its mean of 0 steps): then the allowance is stall_min, and the alert stays on
+              f"> on (train_job)\n(\n  clamp_min(\n"
+              f"    {t.stall_factor:g} * max_over_time(train_job:syncwatch_step_seconds:mean5m[{c.d(w.stall_memory)}]),\n"
+              f"    {c.seconds(w.stall_min)}\n  ) >= 0\n"
+              f"  or on (train_job)\n"
+              f"  0 * group by (train_job) (syncwatch_rank_info) + {c.seconds(w.stall_min)}\n)\n"
+              f"and on (train_job)\ngroup by (train_job) (syncwatch_rank_info)\n"
+              f"unless on (train_job)\n{checkpointing(c, 'train_job')}",
               w.for_stall, "critical",
               "A train job makes no progress although its ranks are alive.",
               f"No rank of train job {JOB} completed a step for {{{{ $value | humanizeDuration }}}} "
@@ -119,7 +131,8 @@ def progress(c: Ctx) -> list[dict]:
                   "    - on (train_job) group_right\n"
                   "    max by (train_job, rank) (syncwatch_collective_sequence)\n  ) > 0\n"
                   "  and on (train_job, rank)\n"
-                  f"  max by (train_job, rank) (changes(syncwatch_collective_sequence[{c.d(w.desync)}])) == 0"),
+                  f"  max by (train_job, rank) (changes(syncwatch_collective_sequence[{c.d(w.desync)}])) == 0\n"
+                  f"  unless on (train_job, rank)\n  {checkpointing(c, 'train_job, rank')}"),
               w.for_desync, "critical",
               "A rank is stuck behind the collectives of its train job.",
               f"Rank {RANK} on node {NODE} of train job {JOB} is {_num('%.0f')} collective(s) "

@@ -54,6 +54,9 @@ class Windows:
     # the stall allowance: no step for max(stall_factor x recent step time, stall_min)
     stall_min: float = 5 * MINUTE
     stall_memory: float = 30 * MINUTE   # how far back "recent step time" may come from
+    # a rank in its checkpoint phase (heartbeats) for less than this is saving, not stuck: the
+    # job is not stalled and the rank not desynchronized (its peers wait in the next collective)
+    checkpoint_allowance: float = 30 * MINUTE
 
 
 @dataclass(frozen=True)
