@@ -102,7 +102,8 @@ def rank_main(a):
         sw.shutdown()
     steps = None
     if a.arm == "auto":  # DDP's forward patched as syncwatch-run does, after the models are
-        steps = auto._Steps(m)  # built (its __init__ would attach both); see swap_roles()
+        # built (its __init__ would attach both); see swap_roles()
+        steps = auto._Steps(m, torch.is_grad_enabled)
         auto._patch_ddp_module(sys.modules[DDP.__module__])
     phase, end_step = sw.phase, sw.step
     if a.arm == "hook-only":

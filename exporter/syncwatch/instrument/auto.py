@@ -21,7 +21,8 @@ be created there):
 * a step ends after each ``step()`` of the first optimizer that steps, or a ``GradScaler.step``
   of it that skipped ``step()`` (inf or NaN gradients); samples = the batch dimension of the
   first tensor given to forward (``batch_size``), summed over the step's forwards of the first
-  model that runs one.
+  model that runs one with autograd on; a forward with autograd off (evaluation under
+  ``torch.no_grad``, a frozen teacher) counts no samples and its time is ``other``.
 
 Not visible without the explicit API: tokens, checkpoints, the job's own step numbers (hence
 re-run steps after a restart), custom phases, and anything a second optimizer does.
@@ -144,11 +145,13 @@ def _patch_fully_shard_module(module) -> None:
 class _Steps:
     """Phase switching driven by DDP's patched forward and optimizer hooks (one per process)."""
 
-    def __init__(self, monitor):
+    def __init__(self, monitor, grad_enabled):
         self.m = monitor
+        self.grad_enabled = grad_enabled  # torch.is_grad_enabled
         self.cur = None
         self.optimizer_id = None
         self.model_id = None  # the model whose forwards count the samples: the first to run
+        self.in_eval = False  # the forward under way runs with autograd off
         self.samples = 0
         self.steps = 0  # steps ended
         self.switch("data")
@@ -165,16 +168,20 @@ class _Steps:
         if _state.monitor is not self.m:
             return
         try:
+            self.in_eval = not self.grad_enabled()
+            if self.in_eval:  # evaluation, a frozen teacher: no training samples, time in other
+                self.switch("other")
+                return
             if self.model_id is None:
                 self.model_id = id(model)
-            if id(model) == self.model_id:  # a second model (a teacher, a GAN's other half)
-                self.samples += batch_size(args, kwargs)  # sees the same samples again
+            if id(model) == self.model_id:  # a second model (a GAN's other half) sees the
+                self.samples += batch_size(args, kwargs)  # same samples again
             self.switch("forward")
         except Exception:
             self.m._error()
 
     def forward_post(self):
-        if _state.monitor is self.m:
+        if _state.monitor is self.m and not self.in_eval:
             self.switch("backward")
 
     def optimizer_pre(self, optimizer, args, kwargs):
@@ -264,6 +271,7 @@ def _start():
     ``init()`` stays a no-op."""
     global _steps
     import syncwatch.instrument as sw
+    import torch
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
 
@@ -271,7 +279,7 @@ def _start():
     if monitor is None:
         return None
     if _steps is None or _steps.m is not monitor:
-        _steps = _Steps(monitor)
+        _steps = _Steps(monitor, torch.is_grad_enabled)
         sw.register(collectives=True)
         register_optimizer_step_pre_hook(_steps.optimizer_pre)
         register_optimizer_step_post_hook(_steps.optimizer_post)
