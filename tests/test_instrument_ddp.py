@@ -336,12 +336,15 @@ def test_zero_code_counts_the_samples_of_a_model_called_by_keyword_or_with_a_dic
                          phase="forward").values()) > 0
 
 
+@pytest.mark.parametrize("second", ["frozen", "trained"])
 def test_zero_code_counts_samples_once_when_a_second_ddp_model_sees_them_too(
-        daemon, sock_path, tmp_path):
-    """Distillation: a DDP teacher runs forward on each batch before the student. The samples
-    are those of the first model's forwards, not of both."""
-    steps, job = 6, "zc-teacher"
-    text = torchrun(tmp_path, sock_path, ["--teacher", "--steps", str(steps), "--batch", "24"], job)
+        daemon, sock_path, tmp_path, second):
+    """A second DDP model runs forward on each batch before the first: a frozen teacher (under
+    ``no_grad``: no samples) or one trained alongside (the first model to run counts them). The
+    samples are counted once, not twice."""
+    steps, job = 6, f"zc-{second}"
+    text = torchrun(tmp_path, sock_path, ["--second-model", second, "--steps", str(steps),
+                                          "--batch", "24"], job)
     assert "syncwatch:" not in text
     every = {0: steps, 1: steps}
     m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)

@@ -39,9 +39,10 @@ def main():
     p.add_argument("--amp-skip", type=int, nargs="*", default=None, metavar="STEP",
                    help="train through a GradScaler, whose step() skips the optimizer's at these "
                         "steps (their loss made infinite)")
-    p.add_argument("--teacher", action="store_true",
-                   help="distillation: a second DDP model (a frozen teacher) runs forward on "
-                        "the same batch first, and the loss also pulls towards its output")
+    p.add_argument("--second-model", choices=("frozen", "trained"), default=None,
+                   help="a second DDP model runs forward on the same batch first, and the loss "
+                        "also pulls towards its output: a frozen teacher (distillation, under "
+                        "torch.no_grad) or one trained with the first (like a GAN's other half)")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
                    help="after every N-th step, evaluate: 3 batches under torch.no_grad, each "
                         "20 ms slower (the time a metric would take)")
@@ -67,10 +68,10 @@ def main():
         kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
         ddp = DDP(model, **kw)
     net = torch.compile(ddp, backend=a.compile) if a.compile else ddp
-    teacher = None
-    if a.teacher:
+    second = None
+    if a.second_model:
         torch.manual_seed(1)
-        teacher = DDP(nn.Sequential(nn.Linear(128, 128)))
+        second = DDP(nn.Sequential(nn.Linear(128, 128)))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     hang_group = dist.new_group([0, 1]) if a.hang_rank >= 0 else None
     scaler = torch.amp.GradScaler("cpu") if a.amp_skip is not None else None
@@ -93,9 +94,9 @@ def main():
         with phase("forward"):
             if rank == a.slow_rank:
                 time.sleep(a.delay)
-            if teacher is not None:
-                with torch.no_grad():
-                    y = (y + teacher(x)) / 2
+            if second is not None:
+                with torch.set_grad_enabled(a.second_model == "trained"):
+                    y = (y + second(x)) / 2
             out = net(x=x) if a.call == "keyword" else net({"x": x}) if a.call == "dict" else net(x)
             loss = nn.functional.mse_loss(out, y)
             if scaler is not None:
