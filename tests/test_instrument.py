@@ -616,7 +616,8 @@ def test_syncwatch_run_environment_and_errors(tmp_path):
     assert args.command == ["torchrun", "--nproc-per-node", "4", "train.py"]
     env = run_mod.child_env(args, {"PYTHONPATH": "/mine"})
     assert env["SYNCWATCH_SOCKET"] == "/s.sock" and env["SYNCWATCH_SKEW_EVERY"] == "10"
-    assert env["PYTHONPATH"].split(os.pathsep) == [run_mod.SITE_DIR, run_mod.PACKAGE_ROOT, "/mine"]
+    assert env["PYTHONPATH"].split(os.pathsep) == [run_mod.SITE_DIR, "/mine"]
+    assert env["SYNCWATCH_PACKAGE_ROOT"] == run_mod.PACKAGE_ROOT
     assert "SYNCWATCH_JOB" not in env
     assert run_mod.main([]) == 2
     assert run_mod.main(["/nonexistent/trainer"]) == 127
@@ -624,6 +625,40 @@ def test_syncwatch_run_environment_and_errors(tmp_path):
                           "import sys; print('syncwatch.instrument.auto' in sys.modules)"],
                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "True", out.stderr
+
+
+def test_syncwatch_run_from_another_environment_shadows_none_of_the_programs_modules(
+        tmp_path, monkeypatch):
+    """syncwatch-run installed in its own environment (pipx, a tools venv) runs a program whose
+    environment has no syncwatch. Its ``site-packages`` holds other packages too, here a stale
+    PyPI ``pathlib``: the program gets the standard library's, and syncwatch all the same."""
+    tools = tmp_path / "tools-site-packages"
+    tools.mkdir()
+    (tools / "syncwatch").symlink_to(os.path.join(run_mod.PACKAGE_ROOT, "syncwatch"))
+    (tools / "pathlib.py").write_text("raise ImportError('the stale pathlib from PyPI')\n")
+    monkeypatch.setattr(run_mod, "PACKAGE_ROOT", str(tools))
+    program_env = tmp_path / "program-venv"  # no syncwatch, no torch
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(program_env)], check=True,
+                   timeout=120)
+    parser = __import__("argparse").ArgumentParser()
+    run_mod.add_arguments(parser)
+    env = run_mod.child_env(parser.parse_args(["python"]), {"PATH": os.environ["PATH"]})
+    code = ("import pathlib, sys\n"
+            "print(pathlib.__file__.startswith(sys.base_prefix))\n"
+            "print(sys.modules['syncwatch.instrument.auto'].__file__)\n"
+            "print(any(p.endswith('tools-site-packages') for p in sys.path))\n")
+    out = subprocess.run([str(program_env / "bin" / "python"), "-c", code], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    stdlib, auto, on_path = out.stdout.split("\n")[:3]
+    assert stdlib == "True"
+    assert auto == str(tools / "syncwatch" / "instrument" / "auto.py")
+    assert on_path == "False"
+    assert out.stderr == ""
+    env.pop("SYNCWATCH_PACKAGE_ROOT")  # the PYTHONPATH alone, carried into another environment
+    out = subprocess.run([str(program_env / "bin" / "python"), "-c", "print('ran')"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout == "ran\n" and "syncwatch not found" in out.stderr
 
 
 def test_zero_code_install_after_torch_imported_fsdp_patches_what_the_script_imports():

@@ -7,6 +7,12 @@ builds: steps, phases, samples, sync waits, collectives, heartbeats (docs/instru
 Puts a ``sitecustomize`` on ``PYTHONPATH`` (see ``syncwatch.instrument.auto``) and replaces
 itself with the command, so signals and the exit status are the command's own. Options become
 ``SYNCWATCH_*`` variables that every rank reads.
+
+Only the ``sitecustomize``'s own directory goes on ``PYTHONPATH``, never the directory syncwatch
+is installed in: that is a whole ``site-packages``, which ahead of the program's would shadow its
+packages and even the standard library (an old ``pathlib`` or ``asyncio`` from PyPI). Where the
+program's environment has no syncwatch, the ``sitecustomize`` loads this one from
+``SYNCWATCH_PACKAGE_ROOT`` alone.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from ..sender import DEFAULT_SOCKET
 from . import DEFAULT_EXCHANGE_EVERY, DEFAULT_HEARTBEAT_SECONDS
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
+# the directory syncwatch is imported from here: the ranks' fallback (SYNCWATCH_PACKAGE_ROOT)
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # flag -> environment variable the ranks read
@@ -46,8 +53,9 @@ def child_env(args, environ=None) -> dict[str, str]:
         value = getattr(args, attr)
         if value is not None:
             env[var] = str(value)
-    parts = [SITE_DIR, PACKAGE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    parts = [SITE_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    env["SYNCWATCH_PACKAGE_ROOT"] = PACKAGE_ROOT
     return env
 
 
