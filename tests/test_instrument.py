@@ -285,6 +285,36 @@ def test_exchange_windows_and_results_feed_slack_and_rank0_skew(rx):
     m2.shutdown()
 
 
+def test_shutdown_sends_the_last_windows_exchange_results_with_the_last_step_again(rx):
+    """The last full window's exchange finishes after the last step record went out: shutdown
+    sends that record again, with the results in its totals (a partial window is not
+    exchanged: its ranks may have run different numbers of steps)."""
+    ex = FakeExchange()
+    m = make_monitor(rx, exchange=ex, exchange_every=3)
+    for _ in range(3):
+        m.step(1)
+    m.flush()
+    ex.results.append(WindowResult(0.12, 3, (0.04, 0.05, 0.06)))  # finished meanwhile
+    m.shutdown()
+    recs = steps(rx, 4)
+    assert [r.step for r in recs] == [1, 2, 3, 3]
+    first, again = recs[2], recs[3]
+    assert not first.exact and first.totals.last_arrivals == 0 and first.skew is None
+    assert again.exact and again.totals.last_arrivals == 3
+    assert again.totals.slack_seconds == pytest.approx(0.12)
+    assert again.skew.count == 3 and again.skew.sum == pytest.approx(0.15)
+    assert (again.totals.steps, again.step_seconds, again.samples) == (
+        first.totals.steps, first.step_seconds, first.samples)
+
+    rx.records.clear()
+    ex2 = FakeExchange()  # nothing left to report: no second copy
+    m2 = make_monitor(rx, exchange=ex2, exchange_every=3)
+    m2.step(1)
+    m2.shutdown()
+    assert wait_for(lambda: rx.of(EndRecord)), rx.records  # sent after any copy
+    assert [r.step for r in rx.of(StepRecord)] == [1]
+
+
 def test_heartbeat_shows_a_rank_inside_a_collective(rx):
     m = make_monitor(rx, heartbeat_seconds=0.05)
     m.step(1)

@@ -264,6 +264,8 @@ class State:
     def _step(self, job: JobState, r: RankState, rec: StepRecord) -> None:
         step = rec.step
         if step <= r.step_seen:
+            if step == r.step_seen and rec.totals.steps == r.totals.steps:
+                self._resent(job, r, rec)
             return  # duplicate or out of order: the newer record already carried these totals
         r.step_seen = step
         totals = r.totals = rec.totals
@@ -288,6 +290,19 @@ class State:
         hists[1].observe(rec.wait_seconds)
         if r.ident.rank == 0:
             self._rank0_step(job, rec)
+
+    def _resent(self, job: JobState, r: RankState, rec: StepRecord) -> None:
+        """The last step's record again, from a rank's shutdown: it carries the results of the
+        skew exchange's last window, which no later step record will (a plain duplicate carries
+        what the state holds already; an older one, less, and changes nothing)."""
+        t = r.totals
+        if rec.totals.slack_seconds < t.slack_seconds or rec.totals.last_arrivals < t.last_arrivals:
+            return
+        r.totals, r.exact = rec.totals, rec.exact
+        if r.ident.rank == 0 and rec.skew is not None and (
+                job.skew is None or rec.skew.count >= job.skew.count):
+            job.skew = rec.skew
+        self._client_counts(r, rec.totals.dropped_records, rec.totals.internal_errors)
 
     def _rank0_step(self, job: JobState, rec: StepRecord) -> None:
         step = rec.step

@@ -111,6 +111,7 @@ class Monitor:
         self._step_start = self.clock.mark()
         self._pending: collections.deque = collections.deque()  # lazily timed steps
         self._window: list[float] = []
+        self._last = None  # the last step record's own values (_emit), for shutdown's re-send
         # progress, read by the heartbeat
         self.collective_sequence = 0
         self.last_step = 0
@@ -374,6 +375,13 @@ class Monitor:
                 self.exchange.submit(self._window)
                 self._window = []
             self._take_results()
+        self._last = (number, wall, step_s, wait, phases, seq, samples, tokens, encoder)
+        self._send_step()
+
+    def _send_step(self) -> None:
+        """Send the last step's record with the totals as they are now."""
+        number, wall, step_s, wait, phases, seq, samples, tokens, encoder = self._last
+        t = self.totals
         t.dropped_records = self.sender.dropped
         t.internal_errors = self.errors
         self.sender.send(encoder.step(
@@ -495,6 +503,12 @@ class Monitor:
             if self.exchange is not None:
                 self.exchange.drain(max(end - time.monotonic(), 0.0))
                 self.exchange.stop(0.1)
+                if self.exchange.results and self._last is not None:
+                    # the last window's results: no step record follows to carry them, so the
+                    # last one goes again (the daemon takes a re-sent step's exchange totals)
+                    with self._lock:
+                        self._take_results()
+                        self._send_step()
             self.sender.send(self.encoder.end(time.time(), self.last_step, reason))
             self.sender.flush(0.5)
         except Exception:
