@@ -267,6 +267,31 @@ def _full_exposition(daemon, client, ranks=4):
     wait_records(daemon.url, 4 * ranks)
 
 
+def test_node_histograms_follow_the_ranks_not_every_node_label_ever_seen(sock_path):
+    """A rank whose node label changes with every new process (a pod name, without NODE_NAME)
+    must not leave a histogram pair behind per label: they were bounded by nothing."""
+    with DaemonThread(config(sock_path, max_ranks=4, job_grace=30)) as d:
+        c = Client(d.socket_path)
+        steady = [RankSim(identity(r, node="node-1")) for r in (0, 1)]
+        c.send(*(s.step(1, 0.2, wait_seconds=0.01) for s in steady))
+        for i in range(500):  # rank 2 restarts 500 times, each time in a new pod
+            c.send(RankSim(identity(2, node=f"pod-{i}", pid=10_000 + i)).step(1, 0.3))
+        wait_records(d.url, 502)
+        m = scrape(d.url)
+        nodes = {dict(k[1])["node"] for k in m if k[0] == "syncwatch_step_duration_seconds_count"}
+        assert nodes == {"node-1", "pod-499"}
+        assert len([k for k in m if k[0].startswith("syncwatch_")]) < 300
+        node1, pod = dict(train_job="job-a", node="node-1"), dict(train_job="job-a", node="pod-499")
+        assert value(m, "syncwatch_step_duration_seconds_count", **node1) == 2
+        assert value(m, "syncwatch_step_duration_seconds_sum", **node1) == pytest.approx(0.4)
+        assert value(m, "syncwatch_sync_wait_seconds_sum", **node1) == pytest.approx(0.02)
+        assert value(m, "syncwatch_step_duration_seconds_count", **pod) == 1
+        # Ranks that end keep the job's histograms through the grace period.
+        c.send(*(s.enc.end(WALL0 + 2, 1) for s in steady))
+        wait_records(d.url, 504)
+        assert value(scrape(d.url), "syncwatch_step_duration_seconds_count", **node1) == 2
+
+
 def test_promtool_check_metrics_passes_on_a_real_scrape(daemon, client):
     promtool = shutil.which("promtool")
     if promtool is None:

@@ -97,13 +97,14 @@ class RankState:
 
 
 class JobState:
-    __slots__ = ("ranks", "hists", "seen", "world_size", "r0_pid", "attempt", "skew",
+    __slots__ = ("ranks", "hists", "nodes", "seen", "world_size", "r0_pid", "attempt", "skew",
                  "restarts", "rerun_steps", "checkpoint_seconds", "checkpoints", "max_step",
                  "prev_max_step", "restart_pending")
 
     def __init__(self, now: float):
         self.ranks: dict[int, RankState] = {}
         self.hists: dict[str, tuple[Histogram, Histogram]] = {}  # node -> (step, sync wait)
+        self.nodes: dict[str, int] = {}  # node -> how many of the job's current ranks are on it
         self.seen = now
         # Job-level, from global rank 0 only (r0_pid is None until rank 0 is heard of).
         self.world_size = 0
@@ -160,6 +161,32 @@ class Snapshot:
     client_dropped: int
     client_errors: int
     ranks_active: int
+
+
+def _move_node(job: JobState, old: str | None, new: str | None) -> None:
+    """Account for a rank of ``job`` leaving node ``old`` and/or arriving on node ``new``.
+
+    The per-node histograms are kept only for nodes a current rank of the job is on: a rank's
+    node label can change with every new process (in Kubernetes without NODE_NAME it is the pod
+    name), and histograms kept for every node ever seen grew without bound, ~70 series each,
+    whatever --max-ranks said. A job whose last rank left keeps its histograms through the grace
+    period; they go when a rank on another node takes the job up again.
+    """
+    if old == new:
+        return
+    if new is not None:
+        if not job.nodes:
+            for stale in [n for n in job.hists if n != new]:
+                del job.hists[stale]
+        job.nodes[new] = job.nodes.get(new, 0) + 1
+    if old is not None:
+        left = job.nodes[old] - 1
+        if left:
+            job.nodes[old] = left
+        else:
+            del job.nodes[old]
+            if job.nodes:
+                job.hists.pop(old, None)
 
 
 def window_stats(xs) -> tuple[float | None, float | None]:
@@ -236,9 +263,11 @@ class State:
         elif ident.attempt < r.ident.attempt:
             return None, job
         elif ident.pid == r.ident.pid and ident.attempt == r.ident.attempt:
+            _move_node(job, r.ident.node, ident.node)
             r.ident = ident  # same process, equal identity decoded anew (cache turnover)
             return r, job
         # A new rank, or a new process / attempt for it: fresh state (counter resets are fine).
+        _move_node(job, None if r is None else r.ident.node, ident.node)
         r = job.ranks[ident.rank] = RankState(ident, self.config.window, now)
         return r, job
 
@@ -362,7 +391,7 @@ class State:
                 dead = [k for k, r in job.ranks.items()
                         if now - r.seen > (grace if r.ended else ttl)]
                 for k in dead:
-                    del job.ranks[k]
+                    _move_node(job, job.ranks.pop(k).ident.node, None)
                 self.n_ranks -= len(dead)
                 if not job.ranks and now - job.seen > grace:
                     del self.jobs[name]
