@@ -190,6 +190,27 @@ def test_permission_denied_is_reported_and_drops_only_that_series(tree):
     check_golden("sysfs_permission_denied", text)
 
 
+def test_names_that_are_not_utf8_keep_their_series_and_the_scrape(tree):
+    """Linux lets an interface name hold any byte but '/', ':' and white space. Such a name came
+    through os.listdir as a lone surrogate that the exposition cannot encode: the render raised,
+    and the daemon's whole /metrics failed with it."""
+    root = os.fsencode(tree("healthy"))
+    os.rename(os.path.join(root, b"class/net/eno1"), os.path.join(root, b"class/net/eth\xff\x01"))
+    os.rename(os.path.join(root, b"class/infiniband/mlx5_0"),
+              os.path.join(root, b"class/infiniband/mlx\xe9"))
+    families, errors = collect(os.fsdecode(root))
+    assert errors == []
+    text = render(families)  # raised UnicodeEncodeError
+    promtool_check(text)
+    reg = registry_of(families)
+    v = reg.get_sample_value
+    assert v("syncwatch_nic_receive_bytes_total", {"device": "eth\\xff\x01"}) == 81_223_004
+    assert v("syncwatch_nic_speed_bytes", {"device": "eth\\xff\x01"}) == 125e6
+    ib = {"device": "mlx\\xe9", "port": "1"}
+    assert v("syncwatch_ib_port_data_bytes_total", {**ib, "direction": "transmit"}) == 2_503_104_811_520 * 4
+    assert v("syncwatch_ib_port_up", ib) == 1
+
+
 def test_absent_tree_is_quiet_no_data(tmp_path):
     for c in (NetCollector(str(tmp_path)), InfinibandCollector(str(tmp_path))):
         with pytest.raises(NoData):

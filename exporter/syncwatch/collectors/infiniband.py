@@ -13,7 +13,7 @@ import re
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .base import CollectorOptions, NoData, register
-from .sysfs import Absent, Unreadable, list_dir, read_int, read_or_none, read_text
+from .sysfs import Absent, Unreadable, label_value, list_dir, read_int, read_or_none, read_text
 
 # counters/<file> -> metric name (without _total) and help
 _PORT_COUNTERS = {
@@ -81,12 +81,12 @@ class InfinibandCollector:
                 continue
             for port in ports:
                 base = os.path.join(ports_dir, port)
-                labels = [dev, port]
+                labels = [label_value(dev), label_value(port)]
                 cdir = os.path.join(base, "counters")
                 for direction, name in (("transmit", "port_xmit_data"), ("receive", "port_rcv_data")):
                     words = value(os.path.join(cdir, name))
                     if words is not None:
-                        data.add_metric([dev, port, direction], words * 4)
+                        data.add_metric([*labels, direction], words * 4)
                 for name, fam in counters.items():
                     v = value(os.path.join(cdir, name))
                     if v is not None:
@@ -99,7 +99,7 @@ class InfinibandCollector:
                 for name, reason in _RETRANSMITS.items():
                     v = value(os.path.join(hdir, name))
                     if v is not None:
-                        retrans.add_metric([dev, port, reason], v)
+                        retrans.add_metric([*labels, reason], v)
                 state = value(os.path.join(base, "state"), read_text)  # "4: ACTIVE"
                 if state is not None:
                     up.add_metric(labels, 1 if state.endswith("ACTIVE") else 0)

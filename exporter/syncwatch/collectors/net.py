@@ -8,7 +8,7 @@ import re
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .base import CollectorOptions, NoData, register
-from .sysfs import list_dir, read_int, read_or_none, read_text
+from .sysfs import label_value, list_dir, read_int, read_or_none, read_text
 
 _DIRECTIONS = (("receive", "rx"), ("transmit", "tx"))
 
@@ -47,6 +47,7 @@ class NetCollector:
             if self.exclude is not None and self.exclude.match(dev):
                 continue
             base = os.path.join(self.root, dev)
+            dev = label_value(dev)
             stats = os.path.join(base, "statistics")
             for key in ("rx_bytes", "tx_bytes", "rx_packets", "tx_packets"):
                 v = value(os.path.join(stats, key))

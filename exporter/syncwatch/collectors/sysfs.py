@@ -84,6 +84,14 @@ def _classify(path: str, e: OSError) -> Exception:
     return Unreadable(f"{path}: {os.strerror(e.errno) if e.errno else e}")
 
 
+def label_value(name: str) -> str:
+    """A directory entry name as a label value. Linux lets an interface name hold any byte but
+    ``/``, ``:`` and white space; ``os.listdir`` hands bytes that are not UTF-8 over as lone
+    surrogates, which the exposition cannot encode: one such name failed the whole scrape, rank
+    metrics included. Such bytes are written as ``\\xNN`` instead (the path keeps the raw name)."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
 def list_dir(path: str) -> list[str]:
     """Sorted entry names of a directory; an absent directory is an empty list."""
     try:
