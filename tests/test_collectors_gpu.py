@@ -164,6 +164,30 @@ def test_labels_match_rank_info_format():
             assert s.labels["uuid"].startswith("GPU-")
 
 
+def test_driver_older_than_the_clock_event_reasons_call():
+    """A driver before R535 has no nvmlDeviceGetCurrentClocksEventReasons (pynvml raises
+    FUNCTION_NOT_FOUND): the throttle reasons come from the older call with the same bit mask. A
+    function the driver lacks altogether (here the energy counter) leaves only its series out.
+    Both made every cycle fail, and no throttle series was ever exported on such a node."""
+    fake = FakeNvml(driver_lacks={"nvmlDeviceGetCurrentClocksEventReasons",
+                                  "nvmlDeviceGetTotalEnergyConsumption"})
+    thermal(fake)
+    fake.gpus[2].reasons = N.nvmlClocksEventReasonSwPowerCap
+    runner = CollectorRunner({"gpu": GpuCollector(nvml=fake)})
+    for _ in range(2):
+        runner.run_once()
+        reg = registry_of(runner.collect())
+        v = reg.get_sample_value
+        assert v("syncwatch_collector_success", {"collector": "gpu"}) == 1
+        assert v("syncwatch_gpu_throttle_active", labels(5, reason="thermal")) == 1
+        assert v("syncwatch_gpu_throttle_active", labels(5, reason="hw_thermal")) == 1
+        assert v("syncwatch_gpu_throttle_active", labels(5, reason="power_cap")) == 0
+        assert v("syncwatch_gpu_throttle_active", labels(2, reason="power_cap")) == 1
+        assert v("syncwatch_gpu_throttle_active", labels(0, reason="thermal")) == 0
+        assert v("syncwatch_gpu_energy_joules_total", labels(0)) is None
+        assert v("syncwatch_gpu_power_watts", labels(2)) == 302.0
+
+
 def test_real_nvml_absent_is_quiet_no_data():
     """This machine has no GPU driver: the real nvmlInit() raises NVMLError_LibraryNotFound."""
     try:

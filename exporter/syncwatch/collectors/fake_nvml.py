@@ -49,9 +49,12 @@ def healthy_node(n: int = 8) -> list[FakeGpu]:
 class FakeNvml:
     """Stands in for the ``pynvml`` module."""
 
-    def __init__(self, gpus: list[FakeGpu] | None = None, *, init_error: int | None = None):
+    def __init__(self, gpus: list[FakeGpu] | None = None, *, init_error: int | None = None,
+                 driver_lacks: set[str] = frozenset()):
         self.gpus = healthy_node() if gpus is None else gpus
         self.init_error = init_error  # e.g. NVML_ERROR_DRIVER_NOT_LOADED
+        # functions an older driver's library lacks: pynvml raises FUNCTION_NOT_FOUND for them
+        self.driver_lacks = set(driver_lacks)
         self.initialized = 0
         self.calls = 0
         self._structs = [pynvml.struct_c_nvmlDevice_t() for _ in self.gpus]
@@ -92,6 +95,8 @@ class FakeNvml:
             gate.wait()
         if not self.initialized:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        if function in self.driver_lacks:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
         if handle is None:
             return None
         gpu = self.gpus[self._index(handle)]
@@ -176,6 +181,9 @@ class FakeNvml:
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
         return self._enter("nvmlDeviceGetCurrentClocksEventReasons", handle).reasons
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+        return self._enter("nvmlDeviceGetCurrentClocksThrottleReasons", handle).reasons
 
     def nvmlDeviceGetTotalEccErrors(self, handle, errorType, counterType):
         gpu = self._enter("nvmlDeviceGetTotalEccErrors", handle)

@@ -10,8 +10,10 @@ Failure semantics:
 * A GPU that is lost (``GPU_IS_LOST``), needs a reset (``RESET_REQUIRED``) or times out
   (``TIMEOUT``) reports ``syncwatch_gpu_up 0`` and none of its values (withdrawn, not frozen);
   the other GPUs keep reporting.
-* ``NOT_SUPPORTED`` means that one metric is absent for that GPU. Any other NVML error drops that
-  metric and is reported as a collector error.
+* ``NOT_SUPPORTED`` means that one metric is absent for that GPU, and ``FUNCTION_NOT_FOUND`` (the
+  driver predates the call) that it is absent on this node; the clock-event reasons then come
+  from the older name of the same call. Any other NVML error drops that metric and is reported as
+  a collector error.
 * XID errors come from an NVML event set drained without waiting (timeout 0) each cycle and are
   counted per GPU and XID.
 
@@ -65,6 +67,7 @@ class GpuCollector:
         self._uuids: dict[int, str] = {}
         self._xids: Counter[tuple[int, int]] = Counter()
         self._down_gpus: set[int] = set()
+        self._throttle_reasons_call = False  # the driver predates nvmlDeviceGetCurrentClocksEventReasons
         nv = nvml
         self._down = {nv.NVML_ERROR_GPU_IS_LOST, nv.NVML_ERROR_RESET_REQUIRED, nv.NVML_ERROR_TIMEOUT}
         self._absent = {nv.NVML_ERROR_LIBRARY_NOT_FOUND, nv.NVML_ERROR_DRIVER_NOT_LOADED,
@@ -197,7 +200,7 @@ class GpuCollector:
             try:
                 return fn(*args)
             except nv.NVMLError as e:
-                if e.value == nv.NVML_ERROR_NOT_SUPPORTED:
+                if e.value in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
                     return None
                 if e.value in self._down:
                     raise _GpuDown(f"{what}: {e}") from None
@@ -225,13 +228,29 @@ class GpuCollector:
         v["sm_clock"] = None if mhz is None else mhz * 1_000_000
         util = call("utilization", nv.nvmlDeviceGetUtilizationRates, handle)
         v["utilization"] = None if util is None else util.gpu / 100
-        v["reasons"] = call("clock event reasons", nv.nvmlDeviceGetCurrentClocksEventReasons, handle)
+        v["reasons"] = call("clock event reasons", self._clock_event_reasons, handle)
         v["corrected"] = call("ecc", nv.nvmlDeviceGetTotalEccErrors, handle,
                               nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC)
         v["uncorrected"] = call("ecc", nv.nvmlDeviceGetTotalEccErrors, handle,
                                 nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
         v["replays"] = call("pcie replays", nv.nvmlDeviceGetPcieReplayCounter, handle)
         return uuid, v
+
+    def _clock_event_reasons(self, handle) -> int:
+        """The clock-event (throttle) reason mask. Drivers before R535 lack
+        nvmlDeviceGetCurrentClocksEventReasons (pynvml raises FUNCTION_NOT_FOUND): every cycle
+        failed and no throttle series was exported on those nodes. The deprecated
+        nvmlDeviceGetCurrentClocksThrottleReasons returns the same bit mask."""
+        nv = self.nvml
+        if not self._throttle_reasons_call:
+            try:
+                return nv.nvmlDeviceGetCurrentClocksEventReasons(handle)
+            except nv.NVMLError as e:
+                if e.value != nv.NVML_ERROR_FUNCTION_NOT_FOUND or not hasattr(
+                        nv, "nvmlDeviceGetCurrentClocksThrottleReasons"):
+                    raise
+                self._throttle_reasons_call = True
+        return nv.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
 
     def _field(self, call, handle, field_id):
         """One NVML field value; a per-field return code is treated like a call's error."""
