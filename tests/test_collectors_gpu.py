@@ -155,6 +155,32 @@ def test_xid_events_are_counted_per_gpu_and_xid():
     assert reg.get_sample_value("syncwatch_gpu_xid_errors_total", labels(3, xid="79")) == 2
 
 
+def test_gpus_renumbered_after_nvml_comes_back_keep_their_own_uuids():
+    """GPU 3 falls off the bus and is gone when NVML is initialized again: the GPUs after it move
+    down one index. Their values were exported under the UUIDs cached for the old indices, so GPU
+    4's temperature read as the lost GPU 3's."""
+    fake = FakeNvml(healthy_node(8))
+    collector = GpuCollector(nvml=fake)
+    cycle(collector)
+    fake.xid(3, 79)
+    cycle(collector)
+    fake.initialized = 0  # the driver reloaded under us
+    del fake.gpus[3], fake._structs[3]
+    with pytest.raises(RuntimeError, match="nvmlDeviceGetCount"):
+        collector.update([])
+    reg, errors, families = cycle(collector)
+    assert errors == []
+    old = healthy_node(8)
+    for index, gpu in enumerate(old[:3] + old[4:]):
+        assert reg.get_sample_value("syncwatch_gpu_temperature_celsius",
+                                    {"gpu": str(index), "uuid": gpu.uuid}) == gpu.temperature
+    assert UUID3 not in render([f for f in families if f.name != "syncwatch_gpu_xid_errors"])
+    # the XID counted before stays with the GPU it happened on
+    assert reg.get_sample_value("syncwatch_gpu_xid_errors_total", labels(3, xid="79")) == 1
+    assert reg.get_sample_value("syncwatch_gpu_xid_errors_total",
+                                {"gpu": "3", "uuid": old[4].uuid, "xid": "79"}) is None
+
+
 def test_labels_match_rank_info_format():
     """gpu = NVML index as a decimal string, uuid = NVML's 'GPU-...' string (as in rank_info)."""
     families = cycle(GpuCollector(nvml=FakeNvml()))[2]

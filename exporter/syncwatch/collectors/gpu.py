@@ -64,8 +64,8 @@ class GpuCollector:
         self._init_failure: Exception | None = None
         self._ready = False
         self._events = None
-        self._uuids: dict[int, str] = {}
-        self._xids: Counter[tuple[int, int]] = Counter()
+        self._uuids: dict[int, str] = {}  # NVML index -> UUID, for this initialization only
+        self._xids: Counter[tuple[int, str, int]] = Counter()  # (index, uuid, xid) -> events
         self._down_gpus: set[int] = set()
         self._throttle_reasons_call = False  # the driver predates nvmlDeviceGetCurrentClocksEventReasons
         nv = nvml
@@ -116,6 +116,11 @@ class GpuCollector:
             return
         nv = self.nvml
         self._ready = False
+        # A GPU gone when NVML comes back (fell off the bus, driver reloaded) shifts the indices
+        # of those after it: UUIDs cached by index put each one's values under its neighbour's
+        # UUID, the lost GPU's included.
+        self._uuids.clear()
+        self._down_gpus.clear()
         try:
             if self._events is not None:
                 nv.nvmlEventSetFree(self._events)
@@ -189,8 +194,8 @@ class GpuCollector:
         self._drain_xids(errors)
         xids = CounterMetricFamily("syncwatch_gpu_xid_errors", "XID critical errors reported by the driver.",
                                    labels=[*gu, "xid"])
-        for (i, xid), n in sorted(self._xids.items()):
-            xids.add_metric([str(i), self._uuids.get(i, ""), str(xid)], n)
+        for (i, uuid, xid), n in sorted(self._xids.items()):
+            xids.add_metric([str(i), uuid, str(xid)], n)
         return [up, *gauges.values(), energy, throttle, ecc, replays, xids]
 
     def _read_gpu(self, i: int, errors: list[str]):
@@ -285,7 +290,7 @@ class GpuCollector:
                 index = nv.nvmlDeviceGetIndex(data.device)
             except nv.NVMLError:
                 continue
-            self._xids[(index, int(data.eventData))] += 1
+            self._xids[(index, self._uuids.get(index, ""), int(data.eventData))] += 1
 
 
 def _raise(e: Exception):
