@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import time
 
@@ -110,3 +112,55 @@ def test_eagain_burst_is_retried_and_delivered_after_reader_resumes(sock_path):
     assert value(m, "syncwatch_steps_total", train_job="job-a", rank=0) == 50
     # Arrived in order: no step record was discarded as out of order.
     assert value(m, "syncwatch_step_duration_seconds_count", train_job="job-a", node="node-1") == 50
+
+
+def _send_unprivileged(path: str, records: list[bytes]) -> dict:
+    """Send ``records`` through a fresh Sender in a forked child that dropped root (root ignores
+    file modes) and report its counts and what it logged."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            logged = []
+            handler = logging.Handler()
+            handler.emit = lambda record: logged.append(record.getMessage())
+            logging.getLogger("syncwatch.sender").addHandler(handler)
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            s = Sender(path)
+            for data in records:
+                s.send(data)
+                s._next_connect = 0.0  # no backoff: every send tries to connect again
+            with os.fdopen(w, "w") as f:
+                json.dump({"sent": s.sent, "dropped": s.dropped, "logged": logged}, f)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, data
+    return json.loads(data)
+
+
+def test_no_permission_on_the_socket_is_said_once(sock_path):
+    """A rank outside the daemon's group got EACCES on connect and dropped every record without
+    a word: the daemon never hears of it, and the rank's drop count never reaches the daemon."""
+    with DaemonThread(config(sock_path)) as d:
+        if os.geteuid() != 0:
+            os.chmod(sock_path, 0)
+        os.chmod(os.path.dirname(sock_path), 0o711)  # the socket file itself says no
+        sim = RankSim(identity(0))
+        out = _send_unprivileged(sock_path, [sim.step(step, 0.1) for step in range(1, 6)])
+        assert (out["sent"], out["dropped"]) == (0, 5)
+        assert len(out["logged"]) == 1, out["logged"]
+        message = out["logged"][0]
+        assert sock_path in message and "Permission denied" in message
+        assert "must run as root or in the socket's group" in message
+        assert "gid 0 mode 660" in message or os.geteuid() != 0  # who owns it, how
+        assert healthz(d.url)["records"] == 0

@@ -14,7 +14,10 @@ non-blocking ``send`` on a connected socket (~0.4 us). What can go wrong, and wh
   is non-empty new records join it so they arrive in order. Only when it overflows or a record
   ages out is it dropped and counted;
 * ``fork`` (DataLoader workers): an ``os.register_at_fork`` hook gives the child a fresh socket,
-  queue, lock and counters; the retry thread is started again on first need.
+  queue, lock and counters; the retry thread is started again on first need;
+* no permission on the socket (the process is neither root nor in the daemon's group): like an
+  absent daemon, plus one warning per sender that says so, since nothing else would: the daemon
+  never hears of the rank, and the drop count the rank keeps never reaches it.
 
 ``dropped`` is cumulative; callers put it into their next record so the daemon sees the loss.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import logging
 import os
 import socket
 import threading
@@ -34,6 +38,8 @@ ENV_SOCKET = "SYNCWATCH_SOCKET"
 ENV_UDP = "SYNCWATCH_UDP"
 
 _BACKOFF_MIN, _BACKOFF_MAX = 0.05, 5.0
+
+log = logging.getLogger("syncwatch.sender")
 
 # Every live sender, so a forked child can reset them all before it runs any code. A hook is
 # cheaper than comparing os.getpid() on every send (a real syscall: 0.05-0.5 us).
@@ -73,6 +79,7 @@ class Sender:
             self._address = path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
         self.retry_seconds = retry_seconds
         self._queue_max = retry_queue
+        self._warned_permission = False  # not reset at fork: one warning per rank, not per worker
         self._reset()
         _SENDERS.add(self)
 
@@ -103,14 +110,30 @@ class Sender:
         try:
             s.setblocking(False)
             s.connect(self._address)
-        except OSError:
+        except OSError as e:
             s.close()
+            if e.errno in (errno.EACCES, errno.EPERM) and not self._warned_permission:
+                self._warn_permission(e)
             self._next_connect = now + self._backoff
             self._backoff = min(self._backoff * 2, _BACKOFF_MAX)
             return None
         self._backoff = _BACKOFF_MIN
         self._sock = s
         return s
+
+    def _warn_permission(self, e: OSError) -> None:
+        self._warned_permission = True
+        owner = ""
+        if self._family == socket.AF_UNIX:
+            try:
+                st = os.stat(self._address)
+                owner = f" (socket uid {st.st_uid} gid {st.st_gid} mode {st.st_mode & 0o777:o})"
+            except OSError:
+                pass  # the directory itself is closed to us
+        log.warning("syncwatch: cannot send to the daemon at %s: %s%s; this process (uid %d, "
+                    "groups %s) must run as root or in the socket's group: every record is "
+                    "dropped until then (see docs/deploy.md)", self._address, e.strerror, owner,
+                    os.geteuid(), sorted({os.getegid(), *os.getgroups()}))
 
     def _drop_socket(self) -> None:
         if self._sock is not None:
