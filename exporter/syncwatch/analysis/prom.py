@@ -37,7 +37,14 @@ class Prometheus:
         return {_key(r["metric"]): [(float(r["value"][0]), _num(r["value"][1]))] for r in data["result"]}
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> Series:
-        data = self._data("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=f"{step:.3f}")
+        """Range query at ``start``, ``start + step``, ... (times and step in whole milliseconds).
+
+        The step goes as a duration in milliseconds: Prometheus reads a step in float seconds by
+        truncating ``seconds * 1e9`` to nanoseconds, so ``16.002`` became 16.001 s and each
+        answer's timestamp drifted one millisecond further from the windows asked for.
+        """
+        data = self._data("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}",
+                          step=f"{max(1, round(step * 1000))}ms")
         return {_key(r["metric"]): [(float(t), _num(v)) for t, v in r["values"]] for r in data["result"]}
 
     def scalar(self, expr: str, time: float, default: float | None = None) -> float | None:

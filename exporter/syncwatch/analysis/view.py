@@ -176,7 +176,9 @@ def windows(start: float, end: float, min_window: float) -> tuple[float, list[fl
 def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
                     min_window: float = 15.0) -> JobView:
     width, times = windows(start, end, min_window)
-    # PromQL durations are whole units: windows of whole milliseconds
+    # Prometheus evaluates on a whole-millisecond grid: windows start and last whole milliseconds,
+    # so each answer's timestamps are exactly the window ends asked for
+    start = round(start, 3)
     width = max(1, round(width * 1000)) / 1000
     times = [start + width * (i + 1) for i in range(len(times))]
     span = end - start
