@@ -93,6 +93,18 @@ def test_a_partial_window_holding_lagged_slack_is_not_contention():
     assert {f.mode for f in diagnose(v).findings} == {"oscillation"}
 
 
+def test_a_restart_in_the_first_window_is_in_range():
+    """A range begun a few seconds before a restart (zooming in on the incident) holds it: the
+    restarts were counted from the end of the first window, and this range read as healthy."""
+    run = recorded("restarts")
+    first = run["restarts"][0]
+    v = recording.to_view(run, "test", first["t"] - 3, first["t"] + 120)
+    assert v.times[0] > first["t"]  # the restart lies inside the first window
+    d = diagnose(v)
+    assert (d.scores["restarts"], d.scores["rerun_steps"]) == (1, first["failed_step"] - first["resume_step"] + 1)
+    assert [f.mode for f in d.findings] == ["checkpoint_restart"]
+
+
 def test_cli_offline_json_and_summary(tmp_path, monkeypatch, capsys):
     path = tmp_path / "run.json"
     recording.save(recorded("restarts"), path)

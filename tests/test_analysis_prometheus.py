@@ -26,8 +26,12 @@ SPAN = 2400                                  # seconds of data per job
 SCRAPE = 5
 
 
-def job_series(job: str, ranks: int = 4, ranks_per_node: int = 2, restarts: dict[float, int] | None = None):
-    """Counters of one train job from T0 to T0 + SPAN; ``restarts``: {time: rerun steps}."""
+def job_series(job: str, ranks: int = 4, ranks_per_node: int = 2, restarts: dict[float, int] | None = None,
+               daemon_restart: float | None = None):
+    """Counters of one train job from T0 to T0 + SPAN; ``restarts``: {time: rerun steps}.
+
+    ``daemon_restart``: the rank-0 daemon restarts then, its job counters start again from zero.
+    """
     times = range(T0, T0 + SPAN + 1, SCRAPE)
     out = []
     for r in range(ranks):
@@ -43,16 +47,19 @@ def job_series(job: str, ranks: int = 4, ranks_per_node: int = 2, restarts: dict
         out.append(("syncwatch_phase_seconds_total", {**lab, "phase": "sync"}, [(t, (t - T0) * 0.2) for t in times]))
     if restarts is not None:
         lab = {"train_job": job, "instance": "10.0.0.0:9477"}
+        since = [daemon_restart if daemon_restart is not None and t >= daemon_restart else -1 for t in times]
         out.append(("syncwatch_job_restarts_total", lab,
-                    [(t, sum(1 for at in restarts if at <= t)) for t in times]))
+                    [(t, sum(1 for at in restarts if s < at <= t)) for t, s in zip(times, since)]))
         out.append(("syncwatch_job_rerun_steps_total", lab,
-                    [(t, sum(n for at, n in restarts.items() if at <= t)) for t in times]))
+                    [(t, sum(n for at, n in restarts.items() if s < at <= t)) for t, s in zip(times, since)]))
     return out
 
 
 @pytest.fixture(scope="module")
 def prom(tmp_path_factory):
-    series = job_series("steady")
+    series = [*job_series("steady"),
+              *job_series("restarting", restarts={T0 + 302: 20, T0 + 1000: 30, T0 + 1800: 40}),
+              *job_series("daemon-restart", restarts={T0 + 1000: 30, T0 + 1800: 40}, daemon_restart=T0 + 1400)]
     with backfilled_prometheus(tmp_path_factory.mktemp("prom"), series) as p:
         yield p.url
 
@@ -74,3 +81,17 @@ def test_every_window_is_read_whatever_its_width(prom, span, monkeypatch, capsys
     assert d["steps"] == pytest.approx(span, rel=0.02)
     assert d["scores"]["mean_step_seconds"] == pytest.approx(1.0, rel=0.01)
     assert d["scores"]["sync_tax"] == pytest.approx(0.2, rel=0.01)
+
+
+@pytest.mark.parametrize(("job", "start", "end", "restarts", "rerun"), [
+    ("restarting", T0 + 300, T0 + 1200, 2, 50),   # the first restart 2 s into the first window
+    ("restarting", T0 + 600, T0 + 1200, 1, 30),   # the first one before the range
+    ("restarting", T0 + 1100, T0 + 1700, 0, 0),
+    ("daemon-restart", T0 + 600, T0 + 2400, 2, 70),   # the counters fall to 0 between the two
+])
+def test_restarts_in_range_from_the_range_start(prom, job, start, end, restarts, rerun, monkeypatch, capsys):
+    """Restarts were counted from the end of the first window, so one inside it was missed (a
+    range begun just before an incident read as healthy), and a reset counter subtracted."""
+    d = _diagnose(monkeypatch, capsys, prom, job, start, end)
+    assert (d["scores"]["restarts"], d["scores"]["rerun_steps"]) == (restarts, rerun)
+    assert ("checkpoint_restart" in {f["mode"] for f in d["findings"]}) == (restarts > 0)

@@ -124,6 +124,7 @@ def scores(v: JobView) -> dict:
     ranks = max(1, len(v.rank_node))
     la = {r: v.total("last_arrivals", r) for r in v.ranks}
     la_total = sum(la.values())
+    restarts, rerun = v.restarts_in_range()
     return {
         "mean_step_seconds": step_s / steps if steps else None,
         "sync_tax": v.total("sync_seconds") / step_s if step_s else None,
@@ -133,8 +134,8 @@ def scores(v: JobView) -> dict:
         "step_autocorrelation": _mean(v.autocorrelation),
         "collective_seconds": _mean(v.collective_series()),
         "steps": steps / ranks,
-        "rerun_steps": _vals(v.rerun_steps)[-1] - _vals(v.rerun_steps)[0] if len(_vals(v.rerun_steps)) > 1 else 0.0,
-        "restarts": _vals(v.restarts)[-1] - _vals(v.restarts)[0] if len(_vals(v.restarts)) > 1 else 0.0,
+        "rerun_steps": rerun,
+        "restarts": restarts,
     }
 
 

@@ -131,7 +131,9 @@ def to_view(run: dict, source: str, start: float | None = None, end: float | Non
         rank_node=dict(enumerate(run["rank_node"])), per_rank=per_rank, cv=cv, autocorrelation=ac,
         restarts=[float(sum(1 for r in restarts if r["t"] <= t)) for t in times], rerun_steps=rerun,
         hardware=hardware, samples_per_rank_step=spr or None,
-        checkpoints=float(sum(1 for s in steps if s.get("checkpoint", 0.0) > 0)))
+        checkpoints=float(sum(1 for s in steps if s.get("checkpoint", 0.0) > 0)),
+        restarts_at_start=float(sum(1 for r in restarts if r["t"] <= t0)),
+        rerun_steps_at_start=float(sum(r["failed_step"] - r["resume_step"] + 1 for r in restarts if r["t"] <= t0)))
 
 
 def _window_mean(points, times, width) -> list[float | None]:

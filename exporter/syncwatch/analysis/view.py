@@ -67,6 +67,8 @@ class JobView:
     hardware: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
     samples_per_rank_step: float | None = None
     checkpoints: float | None = None                     # checkpoints written in the range
+    restarts_at_start: float | None = None               # the two counters at the range start
+    rerun_steps_at_start: float | None = None            # (None: unknown)
 
     # ---- job-level sums
     @property
@@ -131,6 +133,16 @@ class JobView:
                 if v is not None and math.isfinite(v):
                     out[node][i] += v
         return out
+
+    def restarts_in_range(self) -> tuple[float, float]:
+        """(restarts, re-run steps) between the range start and its end.
+
+        Counted from the counters' values at the range start, not at the end of the first
+        window: a restart inside the first window is one of the range's. A counter that falls
+        was reset (the rank-0 daemon restarted) and counts from zero again, as ``increase()``.
+        """
+        return (_increase(self.restarts_at_start, self.restarts),
+                _increase(self.rerun_steps_at_start, self.rerun_steps))
 
     def steps_per_window(self) -> list[float]:
         """Job steps per window (the mean over ranks of each rank's steps)."""
@@ -231,6 +243,10 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
     samples = prom.scalar(f"sum(increase(syncwatch_samples_total{{{sel}}}[{span:.0f}s])) / "
                           f"sum(increase(syncwatch_steps_total{{{sel}}}[{span:.0f}s]))", end)
     checkpoints = prom.scalar(f"max(increase(syncwatch_checkpoints_total{{{sel}}}[{span:.0f}s]))", end)
+    # the job counters at the range start; none there: the job (or the rank-0 daemon, which
+    # counts from zero) started inside the range
+    at_start = {name: prom.scalar(f"max(syncwatch_job_{name}_total{{{sel}}})", start, default=0.0)
+                for name in ("restarts", "rerun_steps")}
     return JobView(
         job=job, source=prom.url, start=start, end=end, window=width, times=times,
         rank_node=rank_node, per_rank=per_rank,
@@ -238,7 +254,18 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
         autocorrelation=job_series(f"avg(syncwatch_step_autocorrelation{{{sel}}})"),
         restarts=job_series(f"max(syncwatch_job_restarts_total{{{sel}}})"),
         rerun_steps=job_series(f"max(syncwatch_job_rerun_steps_total{{{sel}}})"),
-        hardware=hardware, samples_per_rank_step=samples, checkpoints=checkpoints)
+        hardware=hardware, samples_per_rank_step=samples, checkpoints=checkpoints,
+        restarts_at_start=at_start["restarts"], rerun_steps_at_start=at_start["rerun_steps"])
+
+
+def _increase(before: float | None, cumulative: list[float | None]) -> float:
+    vals = [x for x in cumulative if x is not None and math.isfinite(x)]
+    prev = before if before is not None else (vals[0] if vals else 0.0)
+    total = 0.0
+    for x in vals:
+        total += x - prev if x >= prev else x
+        prev = x
+    return total
 
 
 def _finite(v: float | None) -> float | None:
