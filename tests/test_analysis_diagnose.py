@@ -119,6 +119,61 @@ def test_cli_offline_json_and_summary(tmp_path, monkeypatch, capsys):
     assert code == 0 and "no structural problem found" in out
 
 
+def _broken(run: dict, where: str) -> dict:
+    run = json.loads(json.dumps(run))
+    if where == "null wait":
+        run["steps"][5]["waits"][3] = None
+    elif where == "NaN wait":
+        run["steps"][5]["waits"][3] = float("nan")   # json writes NaN, and reads it back
+    elif where == "negative wait":
+        run["steps"][5]["waits"][3] = -0.1
+    elif where == "infinite seconds":
+        run["steps"][5]["seconds"] = float("inf")
+    elif where == "text checkpoint":
+        run["steps"][5]["checkpoint"] = "5s"
+    elif where == "restart without resume_step":
+        del run["restarts"][0]["resume_step"]
+    elif where == "text samples_per_step":
+        run["samples_per_step"] = "32"
+    elif where == "hardware as a list":
+        run["hardware"] = {"gpu_temperature_celsius": [[1.7e9, 70.0]]}
+    elif where == "rank_node as text":
+        run["rank_node"] = "sim-node-00"
+    return run
+
+
+@pytest.fixture(scope="module")
+def restarts_run() -> dict:
+    return recorded("restarts")
+
+
+@pytest.mark.parametrize(("where", "field"), [
+    ("null wait", "step #5"), ("NaN wait", "step #5"), ("negative wait", "step #5"),
+    ("infinite seconds", "step #5"), ("text checkpoint", "step #5"), ("restart without resume_step", "restart #0"),
+    ("text samples_per_step", "samples_per_step"), ("hardware as a list", "hardware"),
+    ("rank_node as text", "rank_node")])
+@pytest.mark.parametrize("command", ["diagnose", "project", "report"])
+def test_a_malformed_recording_is_one_line_naming_the_field(restarts_run, tmp_path, monkeypatch, capsys, where, field,
+                                                           command):
+    """Each of these was a traceback (TypeError, KeyError, AttributeError; a NaN wait a ValueError
+    from the JSON output of project) or, for an infinite step, NaN figures."""
+    path = tmp_path / "run.json"
+    recording.save(_broken(restarts_run, where), path)
+    extra = ["--output", str(tmp_path / "r.html")] if command == "report" else []
+    code, out, err = run_cli(monkeypatch, capsys, [command, "--input", str(path), *extra])
+    assert code == 2 and err.startswith(f"syncwatch {command}: error: --input {path}: {field} is malformed"), err
+    assert not out and len(err.splitlines()) == 1
+
+
+def test_steps_recorded_out_of_order_are_read_in_order(tmp_path):
+    run = recorded("straggler")
+    path = tmp_path / "run.json"
+    recording.save({**run, "steps": run["steps"][::-1]}, path)
+    ordered = diagnose(recording.to_view(run, "test")).to_dict()
+    shuffled = diagnose(recording.to_view(recording.load(path), "test")).to_dict()
+    assert shuffled == ordered
+
+
 def test_cli_errors_exit_2(tmp_path, monkeypatch, capsys):
     path = tmp_path / "run.json"
     recording.save(recorded("healthy"), path)

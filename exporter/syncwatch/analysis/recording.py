@@ -53,6 +53,11 @@ def save(run: dict, path: str | Path) -> None:
 
 
 def load(path: str | Path) -> dict:
+    """Read and check a recorded run; its steps come back in the order they ended.
+
+    Every field the analysis reads is checked here, so a hand-edited or truncated file gets one
+    line naming the bad field (exit 2) instead of a traceback or NaN figures further on.
+    """
     try:
         run = json.loads(Path(path).read_text())
     except OSError as e:
@@ -61,18 +66,52 @@ def load(path: str | Path) -> dict:
         raise AnalysisError(f"--input {path} is not JSON: {e}") from None
     if not isinstance(run, dict) or run.get("format") != FORMAT:
         raise AnalysisError(f"--input {path} is not a recorded run (expected \"format\": \"{FORMAT}\")")
-    world = len(run.get("rank_node") or [])
-    steps = run.get("steps") or []
-    if not world:
+
+    def bad(where: str, what: str):
+        return AnalysisError(f"--input {path}: {where} is malformed ({what})")
+
+    nodes = run.get("rank_node")
+    if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+        raise bad("rank_node", "needs a list of node names, one per global rank")
+    if not nodes:
         raise AnalysisError(f"--input {path}: rank_node lists no ranks")
-    for i, s in enumerate(steps):
-        try:
-            ok = len(s["waits"]) == world and s["seconds"] >= 0 and math.isfinite(s["t"])
-        except (KeyError, TypeError):
-            ok = False
+    world = len(nodes)
+    if not _number(run.get("samples_per_step", 0) or 0):
+        raise bad("samples_per_step", "needs a number ≥ 0")
+    steps = run.get("steps")
+    if not isinstance(steps, list):
+        raise bad("steps", "needs a list of steps")
+    for i, st in enumerate(steps):
+        ok = (isinstance(st, dict) and _number(st.get("t"), low=-math.inf) and _number(st.get("seconds"))
+              and _number(st.get("checkpoint", 0.0)) and isinstance(st.get("waits"), list)
+              and len(st["waits"]) == world and all(_number(w) for w in st["waits"]))
         if not ok:
-            raise AnalysisError(f"--input {path}: step #{i} is malformed (needs t, seconds and {world} waits)")
+            raise bad(f"step #{i}", f"needs t, seconds ≥ 0, optional checkpoint ≥ 0 and {world} waits ≥ 0, "
+                                    "all finite numbers")
+    steps.sort(key=lambda st: st["t"] + st["seconds"])
+    restarts = run.get("restarts") or []
+    if not isinstance(restarts, list):
+        raise bad("restarts", "needs a list of restarts")
+    for i, r in enumerate(restarts):
+        if not (isinstance(r, dict) and _number(r.get("t"), low=-math.inf)
+                and all(_number(r.get(k)) for k in ("failed_step", "resume_step"))):
+            raise bad(f"restart #{i}", "needs t, failed_step and resume_step, all finite numbers")
+    hardware = run.get("hardware") or {}
+    ok = isinstance(hardware, dict) and all(
+        isinstance(rows, dict) and all(
+            isinstance(points, list) and all(
+                isinstance(pt, list) and len(pt) == 2 and all(_number(x, low=-math.inf) for x in pt)
+                for pt in points)
+            for points in rows.values())
+        for rows in hardware.values())
+    if not ok:
+        raise bad("hardware", "needs {series: {node: [[t, value], ...]}} with finite numbers")
     return run
+
+
+def _number(x, low: float = 0.0) -> bool:
+    """A finite JSON number (not a boolean) of at least ``low``."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= low
 
 
 def select(run: dict, start: float | None, end: float | None) -> list[dict]:
