@@ -184,6 +184,11 @@ def test_cli_errors_exit_2(tmp_path, monkeypatch, capsys):
         ([], "give --prometheus URL"),
         (["--prometheus", "http://127.0.0.1:9", "--job", "x"], "Prometheus unreachable"),
         (["--prometheus", "http://127.0.0.1:9"], "--job"),
+        # non-finite numbers were tracebacks (ValueError: cannot convert float NaN to integer)
+        (["--prometheus", "http://127.0.0.1:9", "--job", "x", "--window", "nan"], "--window must be a positive"),
+        (["--prometheus", "http://127.0.0.1:9", "--job", "x", "--window", "0"], "--window must be a positive"),
+        (["--prometheus", "http://127.0.0.1:9", "--job", "x", "--start", "nan"], "cannot read time 'nan'"),
+        (["--prometheus", "http://127.0.0.1:9", "--job", "x", "--end", "inf"], "cannot read time 'inf'"),
     ]
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "something-else"}')

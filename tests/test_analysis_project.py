@@ -78,6 +78,16 @@ def test_cli_offline(tmp_path, monkeypatch, capsys):
     assert code == 0 and "sync wall" in out and "step CV" in out
     code, _, err = run_cli(monkeypatch, capsys, ["project", "--input", str(path), "--nodes", "x"])
     assert code == 2 and "--nodes" in err
+    # each was a traceback: an empty sync-wall sweep (max() of nothing), NaN in the JSON output
+    for flags, message in ((["--max-nodes", "1"], "--max-nodes 1 is below the 2 measured nodes"),
+                           (["--max-nodes", "0"], "--max-nodes 0 is below"),
+                           (["--congestion-exponent", "nan"], "--congestion-exponent must be a finite number"),
+                           (["--latency-us", "nan"], "--latency-us must be a finite number"),
+                           (["--latency-us=-5"], "--latency-us must be a finite number")):
+        code, out, err = run_cli(monkeypatch, capsys, ["project", "--input", str(path), *flags, "--json"])
+        assert code == 2 and message in err and not out, (flags, err)
+    code, out, err = run_cli(monkeypatch, capsys, ["project", "--input", str(path), "--max-nodes", "2", "--json"])
+    assert code == 0 and json.loads(out)["sync_wall"]["curve"][0]["nodes"] == 2, err
     recording.save(simulate(1, 50, seed=1), path)
     code, _, err = run_cli(monkeypatch, capsys, ["project", "--input", str(path)])
     assert code == 2 and "at least 2 nodes" in err

@@ -276,7 +276,13 @@ def summary(res: dict) -> str:
 
 @command("project")
 def run(args) -> int:
+    for flag, value in (("--latency-us", args.latency_us), ("--congestion-exponent", args.congestion_exponent)):
+        if not (math.isfinite(value) and value >= 0):
+            raise AnalysisError(f"{flag} must be a finite number ≥ 0 (got {value})")
     m = measurement(*view_from_args(args))
+    if args.max_nodes is not None and args.max_nodes < m.nodes:
+        raise AnalysisError(f"--max-nodes {args.max_nodes} is below the {m.nodes} measured nodes "
+                            "(the sync-wall sweep runs from the measured node count up)")
     o = Options(scaling=args.scaling, algorithm=args.algorithm, latency_us=args.latency_us,
                 congestion_exponent=args.congestion_exponent)
     res = projection(m, _targets(args.nodes, m.nodes), o, args.max_nodes or 64 * m.nodes)

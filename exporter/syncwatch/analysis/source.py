@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from .. import cli
 from . import recording
 from .common import AnalysisError
@@ -24,6 +26,8 @@ def add_source_flags(p) -> None:
 
 def view_from_args(args) -> tuple[JobView, dict | None]:
     """The job view, and the recorded run itself when read from ``--input``."""
+    if not (math.isfinite(args.window) and args.window > 0):
+        raise AnalysisError(f"--window must be a positive number of seconds (got {args.window})")
     if args.input and args.prometheus:
         raise AnalysisError("give either --prometheus or --input, not both")
     if args.input:

@@ -164,9 +164,12 @@ def parse_time(text: str, now: float | None = None) -> float:
     if m:
         return now - (float(m.group(1)) * _UNITS[m.group(2)] if m.group(1) else 0.0)
     try:
-        return float(t)
+        seconds = float(t)
     except ValueError:
         pass
+    else:
+        if math.isfinite(seconds):
+            return seconds
     try:
         return datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
     except ValueError:
