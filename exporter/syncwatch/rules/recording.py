@@ -33,6 +33,11 @@ def recording_rules(c: Ctx) -> list[dict]:
     w, t = c.windows, c.thresholds
     r, rs, conc = c.d(w.rate), c.d(w.rate_short), c.d(w.concentration)
 
+    # A denominator that can be 0 is filtered with "> 0" (which also drops NaN): a window without
+    # steps (a pause longer than the window) or without skew (the exchange runs every K steps,
+    # minutes apart for slow steps) then has no value instead of NaN. NaN would spread: through
+    # avg/stddev_over_time into the counter CV and the growths for up to 40m, and from any one
+    # component into the whole instability score, which then never passes its alert threshold.
     def rate_by(metric: str, window: str, by: str = "train_job") -> str:
         return f"sum by ({by}) (rate({metric}[{window}]))"
 
@@ -48,7 +53,7 @@ def recording_rules(c: Ctx) -> list[dict]:
          "expr": f"(\n  {rate_by('syncwatch_step_seconds_total', rs)}\n"
                  f"  - ({rate_by(CHECKPOINT_PHASE, rs)}\n"
                  f"     or 0 * {rate_by('syncwatch_step_seconds_total', rs)})\n)\n"
-                 f"/\n{rate_by('syncwatch_steps_total', rs)}"},
+                 f"/\n({rate_by('syncwatch_steps_total', rs)} > 0)"},
         {"record": "train_job:syncwatch_samples:rate5m",
          "expr": rate_by("syncwatch_samples_total", r)},
         {"record": "train_job:syncwatch_tokens:rate5m",
@@ -91,12 +96,12 @@ def recording_rules(c: Ctx) -> list[dict]:
         # --- barrier skew (histogram from the daemon of global rank 0)
         {"record": "train_job:syncwatch_barrier_skew_seconds:mean5m",
          "expr": f"{rate_by('syncwatch_barrier_skew_seconds_sum', r)}\n/\n"
-                 f"{rate_by('syncwatch_barrier_skew_seconds_count', r)}"},
+                 f"({rate_by('syncwatch_barrier_skew_seconds_count', r)} > 0)"},
         {"record": "train_job:syncwatch_barrier_skew_seconds:p99_5m",
          "expr": f"histogram_quantile(0.99, "
                  f"{rate_by('syncwatch_barrier_skew_seconds_bucket', r, 'train_job, le')})"},
         {"record": "train_job:syncwatch_skew_step:ratio5m",
-         "expr": "train_job:syncwatch_barrier_skew_seconds:mean5m\n/\ntrain_job:syncwatch_step_seconds:mean5m"},
+         "expr": "train_job:syncwatch_barrier_skew_seconds:mean5m\n/\n(train_job:syncwatch_step_seconds:mean5m > 0)"},
         {"record": "train_job:syncwatch_skew_step:baseline",
          "expr": f"avg_over_time(train_job:syncwatch_skew_step:ratio5m[{c.d(w.baseline)}] "
                  f"offset {c.d(w.baseline_offset)})"},
