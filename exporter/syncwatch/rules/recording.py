@@ -34,10 +34,11 @@ def recording_rules(c: Ctx) -> list[dict]:
     r, rs, conc = c.d(w.rate), c.d(w.rate_short), c.d(w.concentration)
 
     # A denominator that can be 0 is filtered with "> 0" (which also drops NaN): a window without
-    # steps (a pause longer than the window) or without skew (the exchange runs every K steps,
-    # minutes apart for slow steps) then has no value instead of NaN. NaN would spread: through
-    # avg/stddev_over_time into the counter CV and the growths for up to 40m, and from any one
-    # component into the whole instability score, which then never passes its alert threshold.
+    # steps or samples (a pause longer than the window) or without skew (the exchange runs every
+    # K steps, minutes apart for slow steps) then has no value instead of NaN or +Inf. Those would
+    # spread: through avg/stddev_over_time into the counter CV, the growths and the energy
+    # baseline for up to 70m, and from any one component into the whole instability score; a
+    # NaN or +Inf there never passes an alert threshold.
     def rate_by(metric: str, window: str, by: str = "train_job") -> str:
         return f"sum by ({by}) (rate({metric}[{window}]))"
 
@@ -136,7 +137,7 @@ def recording_rules(c: Ctx) -> list[dict]:
                  f"  * on (uuid) group_right\n"
                  f"  group by (train_job, uuid) (syncwatch_rank_info{{uuid!=\"\"}})\n)"},
         {"record": "train_job:syncwatch_energy_per_sample:joules5m",
-         "expr": "train_job:syncwatch_gpu_power:watts5m\n/\ntrain_job:syncwatch_samples:rate5m"},
+         "expr": "train_job:syncwatch_gpu_power:watts5m\n/\n(train_job:syncwatch_samples:rate5m > 0)"},
         {"record": "train_job:syncwatch_energy_per_sample:baseline1h",
          "expr": f"avg_over_time(train_job:syncwatch_energy_per_sample:joules5m[{c.d(w.trailing)}] "
                  f"offset {c.d(w.baseline_offset)})"},
