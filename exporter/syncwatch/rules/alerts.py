@@ -202,6 +202,17 @@ def hardware(c: Ctx) -> list[dict]:
         f"  {RANK_NODE}\n"
         "  and on (train_job, rank)\n"
         f"  train_job_rank:syncwatch_last_arrival:ratio10m >= {t.straggler_share:g}\n)")
+
+    def xid_new(selector: str) -> str:
+        """XID counts that rose in the hardware window, or whose series appeared in it: the daemon
+        exports an (xid, GPU) series from its first occurrence on, at 1, and ``increase`` needs
+        two samples of a series, so alone it missed the first XID of each code (XID 79 comes once).
+        A series counts as new only if its daemon was scraped a window ago (``build_info``), so a
+        Prometheus that starts, or returns from a long gap, does not page for old XIDs."""
+        xid = f"syncwatch_gpu_xid_errors_total{{{selector}}}"
+        return (f"increase({xid}[{hw}]) > 0\nor\n(\n  ({xid} unless {xid} offset {hw})\n"
+                f"  and on (instance)\n  syncwatch_build_info offset {hw}\n)")
+
     ib_errors = ('{__name__=~"syncwatch_ib_(symbol_errors|port_rcv_errors|link_integrity_errors'
                  '|buffer_overrun_errors|link_downed)_total"}')
     return [
@@ -223,13 +234,13 @@ def hardware(c: Ctx) -> list[dict]:
               f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) on {INSTANCE} is lost or needs a "
               f"reset; every train job using it is stalled or dead."),
         alert(c, "SyncwatchGpuXidCritical",
-              f'increase(syncwatch_gpu_xid_errors_total{{xid=~"{t.xid_critical}"}}[{hw}]) > 0',
+              xid_new(f'xid=~"{t.xid_critical}"'),
               w.for_xid, "critical",
               "A GPU reported a fatal XID error.",
               f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) on {INSTANCE} reported XID "
               f"{{{{ $labels.xid }}}} in the last {hw}: drain the node and reset or replace the GPU."),
         alert(c, "SyncwatchGpuXidError",
-              f'increase(syncwatch_gpu_xid_errors_total{{xid!~"{t.xid_critical}"}}[{hw}]) > 0',
+              xid_new(f'xid!~"{t.xid_critical}"'),
               w.for_xid, "warning",
               "A GPU reported an XID error.",
               f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) on {INSTANCE} reported XID "
