@@ -197,11 +197,17 @@ def hardware(c: Ctx) -> list[dict]:
     w, t = c.windows, c.thresholds
     hw = c.d(w.hardware)
     throttled = f'syncwatch_gpu_throttle_active{{reason=~"{t.throttle_reasons}"}} == 1'
-    straggler_ranks = (
-        "group by (instance, train_job, rank, node) (\n"
-        f"  {RANK_NODE}\n"
-        "  and on (train_job, rank)\n"
-        f"  train_job_rank:syncwatch_last_arrival:ratio10m >= {t.straggler_share:g}\n)")
+    # The straggler's own GPU, joined on its uuid: joined on the node alone, a node hosting the
+    # stragglers of two jobs (a slow node slows every job on it) matched two series for one
+    # daemon, the rule failed to evaluate ("many-to-many matching not allowed") and the alert
+    # was gone cluster-wide; and a throttling GPU of another rank is not this rank's cause. The
+    # topk keeps the join unique even for two ranks sharing a GPU.
+    straggler_gpus = (
+        "topk by (instance, uuid) (1,\n"
+        "  group by (instance, uuid, train_job, rank, node) (\n"
+        f"    {RANK_NODE}\n"
+        "    and on (train_job, rank)\n"
+        f"    train_job_rank:syncwatch_last_arrival:ratio10m >= {t.straggler_share:g}\n  )\n)")
 
     def xid_new(selector: str) -> str:
         """XID counts that rose in the hardware window, or whose series appeared in it: the daemon
@@ -217,12 +223,12 @@ def hardware(c: Ctx) -> list[dict]:
                  '|buffer_overrun_errors|link_downed)_total"}')
     return [
         alert(c, "SyncwatchGpuThrottlingOnStraggler",
-              f"({throttled})\n* on (instance) group_left (train_job, rank, node)\n{straggler_ranks}",
+              f"({throttled})\n* on (instance, uuid) group_left (train_job, rank, node)\n{straggler_gpus}",
               w.for_throttle, "warning",
-              "A GPU on the node of a straggling rank is throttling.",
+              "The GPU of a straggling rank is throttling.",
               f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) on node {NODE} throttles "
-              f"({{{{ $labels.reason }}}}) while rank {RANK} of train job {JOB} on that node is "
-              f"the persistent straggler: the throttling is the likely cause."),
+              f"({{{{ $labels.reason }}}}) while rank {RANK} of train job {JOB}, which runs on it, "
+              f"is the persistent straggler: the throttling is the likely cause."),
         alert(c, "SyncwatchGpuThrottling",
               throttled, w.for_throttle, "info",
               "A GPU is throttling.",
