@@ -131,6 +131,29 @@ def test_daemonset_port_probes_and_scrape_limits():
         assert spec["sampleLimit"] > 0 and spec["labelLimit"] > 0
 
 
+def _operator_job_label(monitor: dict, objs) -> str:
+    """The ``job`` label Prometheus Operator gives a monitor's targets, as its CRDs document
+    ``jobLabel``: the named label of the Service (ServiceMonitor) or Pod (PodMonitor), else the
+    Service's name, or ``<namespace>/<name>`` of the PodMonitor."""
+    key = monitor["spec"].get("jobLabel")
+    if monitor["kind"] == "ServiceMonitor":
+        service = one("Service", objs)
+        return service["metadata"].get("labels", {}).get(key) or service["metadata"]["name"]
+    pod_labels = one("DaemonSet", objs)["spec"]["template"]["metadata"]["labels"]
+    if key:
+        return pod_labels[key]
+    return f"{monitor['metadata']['namespace']}/{monitor['metadata']['name']}"
+
+
+def test_monitors_give_the_job_label_the_daemon_down_alert_selects():
+    from syncwatch.rules.thresholds import THRESHOLDS
+    objs = kustomized_objects()
+    monitors = [one("ServiceMonitor", objs)] + [o for p, o in objects() if o["kind"] == "PodMonitor"]
+    assert len(monitors) == 2
+    for monitor in monitors:
+        assert _operator_job_label(monitor, objs) == THRESHOLDS.scrape_job, monitor["kind"]
+
+
 def test_training_job_uses_the_daemon_socket():
     daemonset = one("DaemonSet")
     pod = daemonset["spec"]["template"]["spec"]
