@@ -121,9 +121,12 @@ def recording_rules(c: Ctx) -> list[dict]:
          "expr": f"clamp_max(\n"
                  f"  sum by (train_job) (increase(syncwatch_job_rerun_steps_total[{c.d(w.restarts)}]))\n"
                  f"  /\n  max by (train_job) (increase(syncwatch_steps_total[{c.d(w.restarts)}])),\n  1\n)"},
-        # --- efficiency: per-GPU (= per-rank) throughput against its own trailing baseline
+        # --- efficiency: per-GPU (= per-rank) throughput against its own trailing baseline. Only
+        # windows with samples count ("> 0"): the zeros of a stall, evaluation or checkpoint in the
+        # trailing hour lowered the baseline (a 20m stall hid a halved throughput from
+        # EfficiencyDrift), and a pause over the 70m of the baseline made it 0 and the ratio +Inf.
         {"record": "train_job:syncwatch_samples_per_gpu:rate5m",
-         "expr": "train_job:syncwatch_samples:rate5m\n/ on (train_job)\n"
+         "expr": "(train_job:syncwatch_samples:rate5m > 0)\n/ on (train_job)\n"
                  "count by (train_job) (syncwatch_rank_info)"},
         {"record": "train_job:syncwatch_samples_per_gpu:baseline1h",
          "expr": f"avg_over_time(train_job:syncwatch_samples_per_gpu:rate5m[{c.d(w.trailing)}] "
