@@ -37,8 +37,6 @@ ON_DAEMON = ('* on (instance) group_left (node) '
              'max by (instance, node) (syncwatch_rank_info{train_job="$train_job", node=~"$node"})')
 
 # Shared PromQL expressions (per train job).
-MEAN_SKEW = (f'sum by (train_job) (rate(syncwatch_barrier_skew_seconds_sum{{{JOB}}}[{RATE}]))'
-             f' / sum by (train_job) (rate(syncwatch_barrier_skew_seconds_count{{{JOB}}}[{RATE}]))')
 #: Share of all computed steps that were repeats after restarts, since the job began.
 RERUN_RATIO = (f'max by (train_job) (syncwatch_job_rerun_steps_total{{{JOB}}})'
                f' / on (train_job) (max by (train_job) (syncwatch_job_rerun_steps_total{{{JOB}}})'

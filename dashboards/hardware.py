@@ -11,7 +11,7 @@ from grafana_foundation_sdk.builders import statetimeline, table, timeseries
 from grafana_foundation_sdk.builders import common as cb
 from grafana_foundation_sdk.models import common as cm
 
-from .common import (JOB, MEAN_SKEW, ON_DAEMON, ON_NODE, RATE, dashboard, legend_table, node_variable,
+from .common import (JOB, ON_DAEMON, ON_NODE, RATE, dashboard, legend_table, node_variable,
                      panel, query, thresholds, train_job_variable)
 
 UID = "syncwatch-hardware"
@@ -26,14 +26,24 @@ def _rate(metric: str, by: str = "node, device") -> str:
 
 
 def build() -> db.Dashboard:
-    lateness = (f'avg by (node) (({MEAN_SKEW}) - on (train_job) group_right () '
-                f'((rate(syncwatch_slack_seconds_total{{{JOB}}}[{RATE}])'
-                f' / rate(syncwatch_steps_total{{{JOB}}}[{RATE}])) {ON_NODE}))')
+    # Skew and slack reach the daemons together, K steps' worth at a time, when the ranks' skew
+    # exchange completes: both are divided by the steps that exchange covered (the skew
+    # histogram's count). Divided by the steps of the interval instead, a waiting rank with 3 s
+    # steps read 2.5 times its slack (50 steps of it over 20) and its node went below zero; an
+    # interval without an exchange has no value rather than 0/0.
+    def skew_rate(part: str) -> str:
+        return f'sum by (train_job) (rate(syncwatch_barrier_skew_seconds_{part}{{{JOB}}}[{RATE}]))'
+
+    lateness = (f'avg by (node) (({skew_rate("sum")} - on (train_job) group_right () '
+                f'(rate(syncwatch_slack_seconds_total{{{JOB}}}[{RATE}]) {ON_NODE}))'
+                f' / on (train_job) group_left () ({skew_rate("count")} > 0))')
     lateness_panel = (
         panel(timeseries.Panel(), "Lateness of the ranks per node",
               "Mean time per step the barrier waited for the ranks of each node (barrier skew minus "
-              "the rank's own slack, averaged over the node's ranks). A node whose lateness rises "
-              "with its temperature, falling clocks or a throttle reason is the hardware straggler.",
+              "the rank's own slack over the steps of the skew exchange, averaged over the node's "
+              "ranks). A node whose lateness rises with its temperature, falling clocks or a "
+              "throttle reason is the hardware straggler. Needs the skew exchange; an interval "
+              "without one (every K = 50 steps) has no point.",
               query(lateness, "{{node}}"), unit="s", w=8)
         .min(0).legend(legend_table("mean", "max").sort_by("Mean").sort_desc(True)))
     sync_tax = (

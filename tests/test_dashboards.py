@@ -162,3 +162,74 @@ def test_every_query_parses_with_promtool(tmp_path):
     r = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"{len(rules)} rules found" in r.stdout
+
+
+# --- panel queries on hand-made series: what a panel shows, checked with promtool's evaluator ---
+
+#: Grafana's $__rate_interval at the provisioned 15 s scrape interval (4 x scrape interval).
+RATE_INTERVAL = 60
+
+
+def _panel_expr(uid: str, title: str, ref: str = "A", **selected) -> str:
+    d = DASHBOARDS[uid]
+    q = next(q for q in queries.panel_queries(d) if q.panel == title and q.ref_id == ref)
+    chosen = {n: (None if v.get("includeAll") else "j") for n, v in queries.variables(d).items()}
+    return queries.substitute(q.expr, d, {**chosen, **selected}, rate_interval=RATE_INTERVAL,
+                              range_seconds=3600)
+
+
+def _promtool_expect(tmp_path, series: dict[str, str], cases: list[tuple[str, str, list]]) -> None:
+    """Evaluate each ``(expr, eval_time, expected samples)`` on ``series`` (15 s apart) with
+    ``promtool test rules``; its report names the expression, the expected and the got values."""
+    (tmp_path / "none.rules.yml").write_text("groups: []\n")
+    test = {"rule_files": ["none.rules.yml"], "evaluation_interval": "15s", "tests": [{
+        "interval": "15s",
+        "input_series": [{"series": s, "values": v} for s, v in series.items()],
+        "promql_expr_test": [{"expr": e, "eval_time": t, "exp_samples": exp} for e, t, exp in cases],
+    }]}
+    path = tmp_path / "panel.test.yml"
+    path.write_text(yaml.safe_dump(test, sort_keys=False))
+    r = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _skew_exchange_job(step_seconds: float, every: int = 50, skew: float = 0.3) -> dict[str, str]:
+    """Job ``j``: rank 0 on node a (the straggler, no slack), rank 1 on node b (waits ``skew`` every
+    step); the skew exchange of ``every`` steps lands its slack and skew at once, as the ranks do."""
+    per_scrape = 15 / step_seconds
+    exchanges = every * step_seconds / 15          # scrapes between two exchanges
+    assert per_scrape.is_integer() and exchanges.is_integer()
+    n, k = 40, int(exchanges)
+
+    def stairs(step: float) -> str:
+        return " ".join(f"{i * step:g}x{k - 1}" for i in range(n // k))
+
+    total = n // k * k - 1
+    series = {'syncwatch_steps_total{train_job="j", rank="%s", instance="%s:9477"}' % (r, node):
+              f"0+{per_scrape:g}x{total}" for r, node in (("0", "a"), ("1", "b"))}
+    series.update({
+        'syncwatch_rank_info{train_job="j", rank="0", local_rank="0", node="a", gpu="0", uuid="GPU-a0", pid="1", instance="a:9477"}': f"1x{total}",
+        'syncwatch_rank_info{train_job="j", rank="1", local_rank="0", node="b", gpu="0", uuid="GPU-b0", pid="2", instance="b:9477"}': f"1x{total}",
+        'syncwatch_slack_seconds_total{train_job="j", rank="0", instance="a:9477"}': f"0x{total}",
+        'syncwatch_slack_seconds_total{train_job="j", rank="1", instance="b:9477"}': stairs(every * skew),
+        'syncwatch_barrier_skew_seconds_sum{train_job="j", instance="a:9477"}': stairs(every * skew),
+        'syncwatch_barrier_skew_seconds_count{train_job="j", instance="a:9477"}': stairs(every),
+    })
+    return series
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus)")
+def test_rank_lateness_per_node_is_the_skew_less_the_slack_of_the_same_steps(tmp_path):
+    """Steps of 3 s, the skew exchange every 50 steps (150 s): an interval with the exchange
+    shows the straggler's node 0.3 s late and the waiting node on time; an interval without one
+    shows no value. The slack of 50 steps used to be divided by the ~20 steps of the interval
+    (the waiting node read -0.45 s, the average of a node holding both went below zero and out of
+    the panel) and an interval without an exchange read NaN (0/0), which made the legend's mean
+    and max NaN and its sort useless."""
+    lateness = _panel_expr("syncwatch-hardware", "Lateness of the ranks per node", node=None)
+    exchange, none = "165s", "225s"          # exchange at 150 s; 225 s: the window [165, 225] has none
+    _promtool_expect(tmp_path, _skew_exchange_job(3), [
+        (lateness, exchange, [{"labels": '{node="a"}', "value": 0.3}, {"labels": '{node="b"}', "value": 0}]),
+        (lateness, none, []),
+    ])
