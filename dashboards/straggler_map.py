@@ -17,6 +17,14 @@ UID = "syncwatch-straggler-map"
 
 def build() -> db.Dashboard:
     arrivals_range = f'increase(syncwatch_last_arrivals_total{{{RANKS}}}[$__range])'
+    # Slack and last arrivals reach the daemons K steps at a time, when the skew exchange
+    # completes; per interval they are divided by the steps that exchange covered (the count of
+    # rank 0's skew histogram), never by the steps of the interval (with 3 s steps: 50 steps of
+    # slack over 20 steps of time, then nothing). An interval without an exchange has no value.
+    exchanged = (f'on (train_job) group_left () (sum by (train_job) '
+                 f'(rate(syncwatch_barrier_skew_seconds_count{{{JOB}}}[{RATE}])) > 0)')
+    step_time = (f'(rate(syncwatch_step_seconds_total{{{RANKS}}}[{RATE}])'
+                 f' / rate(syncwatch_steps_total{{{RANKS}}}[{RATE}]))')
     sequence = f'syncwatch_collective_sequence{{{JOB}}}'
     return (
         dashboard(UID, "syncwatch / Straggler map",
@@ -26,11 +34,13 @@ def build() -> db.Dashboard:
         .with_panel(
             panel(heatmap.Panel(), "Slack share by rank over time",
                   "One row per rank, one column per interval; colour = share of the rank's step time "
-                  "it idled at the barrier waiting for others (slack / step time). Waiting ranks are "
-                  "hot. A persistently cold row among hot ones is the straggler: it never waits "
-                  "because everyone waits for it. Uniform warmth means jitter with no single culprit.",
+                  "it idled at the barrier waiting for others (slack per step of the skew exchange / "
+                  "mean step time). Waiting ranks are hot. A persistently cold row among hot ones is "
+                  "the straggler: it never waits because everyone waits for it. Uniform warmth means "
+                  "jitter with no single culprit. Needs the skew exchange; a column without one "
+                  "(every K = 50 steps) is empty.",
                   query(f'sum by (rank) (rate(syncwatch_slack_seconds_total{{{RANKS}}}[{RATE}])'
-                        f' / rate(syncwatch_step_seconds_total{{{RANKS}}}[{RATE}]) {ON_NODE})', "{{rank}}"),
+                        f' / {exchanged} / {step_time} {ON_NODE})', "{{rank}}"),
                   unit="percentunit", w=24, h=10)
             .calculate(False)
             .rows_frame(heatmap.RowsHeatmapOptions().layout(cm.HeatmapCellLayout.UNKNOWN).value("slack share"))
@@ -43,10 +53,10 @@ def build() -> db.Dashboard:
             panel(timeseries.Panel(), "Last-arrival share per rank",
                   "Share of steps in which each rank arrived last at the barrier (the rank the "
                   "step waited for). Even jitter gives every rank about 1/N; one line near 1 is a "
-                  "persistent straggler.",
+                  "persistent straggler. An interval without a skew exchange has no point.",
                   query(f'sum by (train_job, rank) (rate(syncwatch_last_arrivals_total{{{RANKS}}}[{RATE}]) {ON_NODE})'
-                        f' / on (train_job) group_left () sum by (train_job) '
-                        f'(rate(syncwatch_last_arrivals_total{{{JOB}}}[{RATE}]))', "rank {{rank}}"),
+                        f' / on (train_job) group_left () (sum by (train_job) '
+                        f'(rate(syncwatch_last_arrivals_total{{{JOB}}}[{RATE}])) > 0)', "rank {{rank}}"),
                   unit="percentunit")
             .min(0).max(1).legend(legend_table("mean", "max").sort_by("Mean").sort_desc(True)))
         .with_panel(

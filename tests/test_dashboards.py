@@ -208,11 +208,15 @@ def _skew_exchange_job(step_seconds: float, every: int = 50, skew: float = 0.3) 
     total = n // k * k - 1
     series = {'syncwatch_steps_total{train_job="j", rank="%s", instance="%s:9477"}' % (r, node):
               f"0+{per_scrape:g}x{total}" for r, node in (("0", "a"), ("1", "b"))}
+    series.update({'syncwatch_step_seconds_total{train_job="j", rank="%s", instance="%s:9477"}' % (r, node):
+                   f"0+15x{total}" for r, node in (("0", "a"), ("1", "b"))})
     series.update({
         'syncwatch_rank_info{train_job="j", rank="0", local_rank="0", node="a", gpu="0", uuid="GPU-a0", pid="1", instance="a:9477"}': f"1x{total}",
         'syncwatch_rank_info{train_job="j", rank="1", local_rank="0", node="b", gpu="0", uuid="GPU-b0", pid="2", instance="b:9477"}': f"1x{total}",
         'syncwatch_slack_seconds_total{train_job="j", rank="0", instance="a:9477"}': f"0x{total}",
         'syncwatch_slack_seconds_total{train_job="j", rank="1", instance="b:9477"}': stairs(every * skew),
+        'syncwatch_last_arrivals_total{train_job="j", rank="0", instance="a:9477"}': stairs(every),
+        'syncwatch_last_arrivals_total{train_job="j", rank="1", instance="b:9477"}': f"0x{total}",
         'syncwatch_barrier_skew_seconds_sum{train_job="j", instance="a:9477"}': stairs(every * skew),
         'syncwatch_barrier_skew_seconds_count{train_job="j", instance="a:9477"}': stairs(every),
     })
@@ -228,8 +232,31 @@ def test_rank_lateness_per_node_is_the_skew_less_the_slack_of_the_same_steps(tmp
     the panel) and an interval without an exchange read NaN (0/0), which made the legend's mean
     and max NaN and its sort useless."""
     lateness = _panel_expr("syncwatch-hardware", "Lateness of the ranks per node", node=None)
-    exchange, none = "165s", "225s"          # exchange at 150 s; 225 s: the window [165, 225] has none
     _promtool_expect(tmp_path, _skew_exchange_job(3), [
-        (lateness, exchange, [{"labels": '{node="a"}', "value": 0.3}, {"labels": '{node="b"}', "value": 0}]),
-        (lateness, none, []),
+        (lateness, WITH_EXCHANGE, [{"labels": '{node="a"}', "value": 0.3}, {"labels": '{node="b"}', "value": 0}]),
+        (lateness, WITHOUT_EXCHANGE, []),
+    ])
+
+
+#: Evaluation times in _skew_exchange_job(3): the exchange lands at 150 s; the rate window of 225 s
+#: ([165 s, 225 s]) holds none.
+WITH_EXCHANGE, WITHOUT_EXCHANGE = "165s", "225s"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus)")
+def test_straggler_map_reads_the_steps_of_the_skew_exchange(tmp_path):
+    """Same job: the heatmap shows rank 1 idle 10 % of its time (0.3 s of each 3 s step) and the
+    straggler 0 %, the last-arrival share gives rank 0 every last arrival; an interval without an
+    exchange has no value. The heatmap used to divide 50 steps of slack by the ~20 steps of time
+    of the interval (rank 1 read 25 %, then 0 % in the next interval: stripes, not rows) and the
+    last-arrival share read NaN (0/0) between exchanges."""
+    slack_share = _panel_expr("syncwatch-straggler-map", "Slack share by rank over time", node=None, rank=None)
+    slack_share = f"round({slack_share}, 0.0001)"
+    last_share = _panel_expr("syncwatch-straggler-map", "Last-arrival share per rank", node=None, rank=None)
+    _promtool_expect(tmp_path, _skew_exchange_job(3), [
+        (slack_share, WITH_EXCHANGE, [{"labels": '{rank="0"}', "value": 0}, {"labels": '{rank="1"}', "value": 0.1}]),
+        (slack_share, WITHOUT_EXCHANGE, []),
+        (last_share, WITH_EXCHANGE, [{"labels": '{train_job="j", rank="0"}', "value": 1},
+                                     {"labels": '{train_job="j", rank="1"}', "value": 0}]),
+        (last_share, WITHOUT_EXCHANGE, []),
     ])
