@@ -511,6 +511,39 @@ def test_socket_file_modes_and_stale_socket_replaced(sock_path):
     assert not os.path.exists(sock_path)  # removed on clean stop
 
 
+def test_live_socket_this_user_may_not_probe_is_left_alone(sock_path):
+    """A daemon of another user holds the socket and this one may not connect (EACCES) but may
+    write the directory: the second daemon must refuse, not unlink and take over the path."""
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    live.bind(sock_path)
+    os.chmod(sock_path, 0)  # nobody without DAC override may connect, the owner included
+    inode = os.stat(sock_path).st_ino
+    prefix = []
+    if os.geteuid() == 0:  # root would connect anyway: run the second daemon without DAC override
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root and setpriv (util-linux) is absent")
+        prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+    try:
+        second = subprocess.Popen(prefix + _daemon_cmd("--listen", "127.0.0.1:0", "--socket", sock_path),
+                                  env=subprocess_env(), stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = second.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            second.kill()
+            second.communicate()
+            pytest.fail(f"the second daemon kept running; socket inode {inode} -> "
+                        f"{os.stat(sock_path).st_ino if os.path.exists(sock_path) else 'gone'}")
+        assert second.returncode == 2, err
+        assert "cannot be probed (Permission denied)" in err, err
+        assert os.stat(sock_path).st_ino == inode  # the live daemon's socket file is still there
+        os.chmod(sock_path, 0o660)
+        Client(sock_path).send(b"still reachable")
+        live.settimeout(5)
+        assert live.recv(64) == b"still reachable"
+    finally:
+        live.close()
+
+
 def test_socket_directory_created_0750(tmp_path):
     import tempfile
     path = os.path.join(tempfile.mkdtemp(prefix="sw-"), "run", "ingest.sock")

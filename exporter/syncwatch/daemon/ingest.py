@@ -33,7 +33,12 @@ class IngestError(OSError):
 
 def bind_unix(path: str) -> socket.socket:
     """Bind the Unix datagram socket ``path`` (directory 0750, socket 0660). A stale socket file
-    left by a dead daemon is replaced; a live daemon on the path is an error."""
+    left by a dead daemon is replaced; a live daemon on the path is an error.
+
+    Only "connection refused" proves a socket file stale. Any other failure to probe it (EACCES:
+    the socket of a daemon running as another user) says nothing about whether a daemon reads
+    it, so the file is left alone: replacing it would take a live daemon's ranks away from it.
+    """
     directory = os.path.dirname(path) or "."
     try:
         if not os.path.isdir(directory):
@@ -51,14 +56,19 @@ def bind_unix(path: str) -> socket.socket:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             probe.connect(path)
-        except OSError:
-            pass  # nobody listens: stale
+        except (ConnectionRefusedError, FileNotFoundError):
+            pass  # nobody listens (or it is gone already): stale
+        except OSError as e:
+            raise IngestError(f"{path} exists and cannot be probed ({e.strerror}): it may belong to "
+                              f"a daemon running as another user; refusing to replace it") from None
         else:
             raise IngestError(f"{path} is in use by another running daemon")
         finally:
             probe.close()
         try:
             os.unlink(path)
+        except FileNotFoundError:
+            pass
         except OSError as e:
             raise IngestError(f"cannot remove stale socket {path}: {e.strerror}") from None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
