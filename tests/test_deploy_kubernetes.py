@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 
@@ -113,6 +114,25 @@ def test_daemonset_is_least_privileged():
         assert set(container["securityContext"]["capabilities"].get("add", [])) <= {"CHOWN"}
     host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     assert host_paths == {"/sys", SOCKET_DIR}
+
+
+def test_socket_dir_init_container_works_on_every_pod_start(tmp_path):
+    """The init container's command, run as it runs in the pod (uid 0 with CHOWN alone), on the
+    directory kubelet creates and again on the one the previous pod left (a rollout, a restart)."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv (util-linux) to run with CHOWN as the only capability")
+    init = one("DaemonSet")["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["securityContext"]["runAsUser"] == 0
+    assert init["securityContext"]["capabilities"]["add"] == ["CHOWN"]
+    directory = tmp_path / "run-syncwatch"
+    directory.mkdir(mode=0o755)  # what kubelet's DirectoryOrCreate makes: root:root 0755
+    command = [arg.replace(SOCKET_DIR, str(directory)) for arg in init["command"]]
+    for start in ("first pod", "next pod"):
+        r = subprocess.run(["setpriv", "--bounding-set=-all,+chown", "--inh-caps=-all", "--", *command],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, f"{start}: {r.stderr}"
+        st = directory.stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (65532, 65532, 0o750), start
 
 
 def test_daemonset_port_probes_and_scrape_limits():
