@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -84,6 +85,37 @@ def test_socket_unit_matches_the_daemon():
     assert "syncwatch.socket" in service["Unit"]["Requires"][0]
     assert service["Service"]["DynamicUser"] == ["yes"]
     assert service["Service"]["CapabilityBoundingSet"] == [""]
+
+
+def daemon_args_under_systemd(monkeypatch, env_file: dict[str, str]):
+    """The daemon's parsed command line as syncwatch.service starts it: the unit's Environment=,
+    overridden by /etc/default/syncwatch (``env_file``, which systemd gives precedence), then
+    ExecStart= through the real CLI."""
+    from syncwatch.cli import build_parser
+    service = parse_unit(SYSTEMD / "syncwatch.service")["Service"]
+    assert service["EnvironmentFile"] == ["-/etc/default/syncwatch"]
+    env = dict(a.split("=", 1) for value in service.get("Environment", []) for a in shlex.split(value))
+    env.update(env_file)
+    for name in [n for n in os.environ if n.startswith("SYNCWATCH_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    argv = shlex.split(service["ExecStart"][0])
+    assert argv[0] == INSTALLED_BINARY
+    return build_parser().parse_args(argv[1:])
+
+
+def test_environment_file_configures_the_daemon(monkeypatch):
+    """What the unit and docs/deploy.md tell an operator: settings in /etc/default/syncwatch take
+    effect (a flag on ExecStart would silently override them), except the socket path, which
+    must stay the socket unit's."""
+    args = daemon_args_under_systemd(monkeypatch, {})
+    assert (args.listen, args.socket) == ("127.0.0.1:9477", "/run/syncwatch/ingest.sock")
+    args = daemon_args_under_systemd(monkeypatch, {"SYNCWATCH_LISTEN": "10.0.0.5:9477",
+                                                   "SYNCWATCH_NODE": "gpu-017",
+                                                   "SYNCWATCH_SOCKET": "/tmp/elsewhere.sock"})
+    assert (args.listen, args.node) == ("10.0.0.5:9477", "gpu-017")
+    assert args.socket == parse_unit(SYSTEMD / "syncwatch.socket")["Socket"]["ListenDatagram"][0]
 
 
 def task_prolog(**env) -> list[str]:
