@@ -82,7 +82,23 @@ def test_a_prometheus_that_cannot_start_raises_with_its_log(tmp_path):
     with pytest.raises(StackError, match="did not start") as err:
         bad.start(timeout=10)
     assert "soon" in str(err.value) or "parse" in str(err.value).lower()
+    assert "(it exited with code " in str(err.value)  # it failed at once, not "within 10s"
     bad.stop()
+
+
+@pytest.mark.parametrize("flag,value,says", [
+    ("--time-scale", "0", "--time-scale must be a positive number, got 0"),
+    ("--time-scale", "nan", "--time-scale must be a positive number, got nan"),
+    ("--scrape-interval", "5", "--scrape-interval '5' is not a Prometheus duration"),
+    ("--scrape-interval", "1.5s", "--scrape-interval '1.5s' is not a Prometheus duration"),
+])
+def test_stack_up_rejects_bad_flags_in_one_line(flag, value, says):
+    r = subprocess.run([sys.executable, "-m", "syncwatch", "stack", "up", "--prometheus-port", "0",
+                        "--alertmanager-port", "0", flag, value],
+                       capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == f"syncwatch stack up: {says}" + (
+        " (e.g. 5s, 1m, 1m30s)" if flag == "--scrape-interval" else ""), r.stderr
 
 
 @pytest.mark.skipif(shutil.which("prometheus-alertmanager") is None and shutil.which("alertmanager") is None,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import shutil
 import signal
 import socket
@@ -121,10 +123,11 @@ class _Server:
                 if self._ready():
                     return self
                 time.sleep(0.2)
-            exited = self.proc.poll() is not None
+            code = self.proc.poll()
             self._kill()
-            if not exited or port or attempt == 2:  # only an early exit on a picked port is retried
-                raise StackError(f"{self.name} did not start within {timeout:g}s; "
+            if code is None or port or attempt == 2:  # only an early exit on a picked port is retried
+                why = f"within {timeout:g}s" if code is None else f"(it exited with code {code})"
+                raise StackError(f"{self.name} did not start {why}; "
                                  f"log {self.log_path}:\n{self.log_tail()}")
         raise AssertionError("unreachable")
 
@@ -328,9 +331,22 @@ def shipped_prometheus_config(targets: Sequence[str], rule_files: Sequence[Path]
     return config
 
 
+# Prometheus' duration syntax (prometheus/common model.ParseDuration), units in this order.
+PROMETHEUS_DURATION = re.compile(r"(?:\d+y)?(?:\d+w)?(?:\d+d)?(?:\d+h)?(?:\d+m)?(?:\d+s)?(?:\d+ms)?")
+
+
 def run_up(args: argparse.Namespace) -> int:
     from .rules.render import write
 
+    # Checked here: Prometheus would only exit on them, after the stack had started around it.
+    if not (math.isfinite(args.time_scale) and args.time_scale > 0):
+        print(f"syncwatch stack up: --time-scale must be a positive number, got {args.time_scale:g}",
+              file=sys.stderr)
+        return 2
+    if not args.scrape_interval or not PROMETHEUS_DURATION.fullmatch(args.scrape_interval):
+        print(f"syncwatch stack up: --scrape-interval {args.scrape_interval!r} is not a Prometheus "
+              f"duration (e.g. 5s, 1m, 1m30s)", file=sys.stderr)
+        return 2
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     work = Path(args.data_dir or tempfile.mkdtemp(prefix="sw-stack-"))
     servers: list[_Server] = []
