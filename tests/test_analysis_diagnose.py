@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from analysis_helpers import SCENARIO_MODES, run_cli
+from conftest import subprocess_env
 from syncwatch.analysis import recording
 from syncwatch.analysis.diagnose import diagnose
 
@@ -117,6 +121,23 @@ def test_cli_offline_json_and_summary(tmp_path, monkeypatch, capsys):
     recording.save(recorded("healthy"), path)
     code, out, _ = run_cli(monkeypatch, capsys, ["diagnose", "--input", str(path)])
     assert code == 0 and "no structural problem found" in out
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_reader_that_went_away_ends_the_command_quietly(tmp_path, json_flag):
+    """``syncwatch diagnose ... | head`` ended in a BrokenPipeError traceback (exit 1) once head
+    had read its lines; now the command stops without a word, with SIGPIPE's status 141. The pipe's
+    read end is closed before the command starts, so its first write finds no reader."""
+    path = tmp_path / "run.json"
+    recording.save(recorded("restarts"), path)
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "syncwatch", "diagnose", "--input", str(path), *json_flag],
+                              stdout=write, stderr=subprocess.PIPE, text=True, env=subprocess_env(), timeout=60)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, "")
 
 
 def _broken(run: dict, where: str) -> dict:

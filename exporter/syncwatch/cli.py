@@ -20,6 +20,8 @@ SUBCOMMANDS = {
     "stack": "syncwatch.stack",
 }
 
+EXIT_BROKEN_PIPE = 128 + 13  # the status of a command killed by SIGPIPE, as the shell reports it
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -70,8 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        args = build_parser().parse_args(argv)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away (``syncwatch diagnose ... | head``): stop quietly, as a command killed
+        # by SIGPIPE would. stdout goes to /dev/null so the interpreter's final flush of what is
+        # still buffered does not raise again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    return code
 
 
 if __name__ == "__main__":
