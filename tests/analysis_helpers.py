@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+import urllib.error
 from pathlib import Path
 
+import yaml
+
 from syncwatch import cli
-from syncwatch.stack import Prometheus
+from syncwatch.stack import Prometheus, http_get
 
 # What diagnose must find in each simulator scenario, whether read from a recording or Prometheus.
 SCENARIO_MODES = {"healthy": set(), "straggler": {"straggler_persistent"}, "oscillation": {"oscillation"},
@@ -43,8 +46,32 @@ def openmetrics(series: list[tuple[str, dict, list[tuple[float, float]]]]) -> st
     return "\n".join(line for lines in families.values() for line in lines) + "\n# EOF\n"
 
 
-def backfilled_prometheus(workdir: Path, series: list[tuple[str, dict, list[tuple[float, float]]]]):
-    """A real Prometheus (not started) whose storage already holds ``series``.
+class _WebConfigPrometheus(Prometheus):
+    """Prometheus started with ``--web.config.file`` (e.g. ``basic_auth_users``): every endpoint,
+    /-/ready included, may answer 401, which still means it is up."""
+
+    def __init__(self, web_config: dict, **kw):
+        super().__init__(**kw)
+        self.web_config_path = self.workdir / "web.yml"
+        self.web_config_path.write_text(yaml.safe_dump(web_config))
+
+    def _args(self) -> list[str]:
+        return [*super()._args(), f"--web.config.file={self.web_config_path}"]
+
+    def _ready(self) -> bool:
+        try:
+            http_get(self.url + self.ready_path, timeout=2)
+        except urllib.error.HTTPError as e:
+            return e.code == 401
+        except (urllib.error.URLError, OSError):
+            return False
+        return True
+
+
+def backfilled_prometheus(workdir: Path, series: list[tuple[str, dict, list[tuple[float, float]]]],
+                          web_config: dict | None = None):
+    """A real Prometheus (not started) whose storage already holds ``series``; ``web_config``: its
+    web configuration file (``basic_auth_users``: {user: bcrypt hash} asks every request for them).
 
     The samples are written as OpenMetrics and turned into TSDB blocks with ``promtool tsdb
     create-blocks-from openmetrics`` before the server starts: exact counter values at chosen
@@ -56,4 +83,6 @@ def backfilled_prometheus(workdir: Path, series: list[tuple[str, dict, list[tupl
     source.write_text(openmetrics(series))
     subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", "--quiet", str(source),
                     str(workdir / "data")], check=True, capture_output=True)
+    if web_config is not None:
+        return _WebConfigPrometheus(web_config, workdir=str(workdir))
     return Prometheus(workdir=str(workdir))

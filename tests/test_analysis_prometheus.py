@@ -95,3 +95,47 @@ def test_restarts_in_range_from_the_range_start(prom, job, start, end, restarts,
     d = _diagnose(monkeypatch, capsys, prom, job, start, end)
     assert (d["scores"]["restarts"], d["scores"]["rerun_steps"]) == (restarts, rerun)
     assert ("checkpoint_restart" in {f["mode"] for f in d["findings"]}) == (restarts > 0)
+
+
+# bcrypt of "s3cret" at cost 4 (cheap to check on every request), as Prometheus' web configuration
+# takes it: python3 -c 'import crypt; print(crypt.crypt("s3cret", crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16)))'
+S3CRET_BCRYPT = "$2b$04$5itXJyRdHRYlCvDYdzTtn.TmNtBVb6oBiOJ.VX6GJHPTFTY69a6h."
+
+
+@pytest.fixture(scope="module")
+def auth_prom(tmp_path_factory):
+    with backfilled_prometheus(tmp_path_factory.mktemp("prom-auth"), job_series("steady"),
+                               web_config={"basic_auth_users": {"ann": S3CRET_BCRYPT}}) as p:
+        yield p.url
+
+
+def test_a_prometheus_asking_for_credentials_gets_them_from_flags_environment_or_url(
+        auth_prom, tmp_path, monkeypatch, capsys):
+    """There was no way to send credentials: a Prometheus behind basic auth answered every command
+    with HTTP 401, and the message did not say what to do."""
+    right, wrong = tmp_path / "right", tmp_path / "wrong"
+    right.write_text("s3cret\n")
+    wrong.write_text("guess\n")
+    argv = ["diagnose", "--job", "steady", "--start", str(T0 + 300), "--end", str(T0 + 900), "--json"]
+    code, out, err = run_cli(monkeypatch, capsys, [*argv, "--prometheus", auth_prom])
+    assert code == 2 and not out
+    assert err == (f"syncwatch diagnose: error: Prometheus at {auth_prom} answered HTTP 401 to /api/v1/query: "
+                   "Unauthorized; it asks for credentials: give --prometheus-bearer-token-file, or "
+                   "--prometheus-basic-auth-user with --prometheus-basic-auth-password-file\n")
+    code, _, err = run_cli(monkeypatch, capsys, [*argv, "--prometheus", auth_prom, "--prometheus-basic-auth-user",
+                                                 "ann", "--prometheus-basic-auth-password-file", str(wrong)])
+    assert code == 2 and err.endswith("HTTP 401 to /api/v1/query: Unauthorized; the credentials given were not "
+                                      "accepted\n")
+    code, _, err = run_cli(monkeypatch, capsys, [*argv, "--prometheus", auth_prom,
+                                                 "--prometheus-basic-auth-user", "ann"])
+    assert code == 2 and "go together" in err
+
+    by_flags = _diagnose(monkeypatch, capsys, auth_prom, "steady", T0 + 300, T0 + 900,
+                         "--prometheus-basic-auth-user", "ann", "--prometheus-basic-auth-password-file", str(right))
+    assert by_flags["steps"] == pytest.approx(600, rel=0.02)
+    in_url = _diagnose(monkeypatch, capsys, auth_prom.replace("http://", "http://ann:s3cret@"), "steady",
+                       T0 + 300, T0 + 900)
+    monkeypatch.setenv("SYNCWATCH_PROMETHEUS_BASIC_AUTH_USER", "ann")
+    monkeypatch.setenv("SYNCWATCH_PROMETHEUS_BASIC_AUTH_PASSWORD_FILE", str(right))
+    by_env = _diagnose(monkeypatch, capsys, auth_prom, "steady", T0 + 300, T0 + 900)
+    assert by_flags == in_url == by_env

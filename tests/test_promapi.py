@@ -11,21 +11,26 @@ import json
 import shutil
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+from analysis_helpers import run_cli
 from syncwatch import promapi
 from syncwatch.stack import Prometheus, StackError
 
 
 class _Canned(ThreadingHTTPServer):
-    """Answers every request with ``self.answer`` = (status, content type, body); records requests."""
+    """Answers every request with ``self.answer`` = (status, content type, body) after ``self.delay``
+    seconds; records requests and their Authorization headers."""
 
     def __init__(self):
         self.answer = (200, "application/json", b"{}")
+        self.delay = 0.0
         self.requests: list[tuple[str, str, dict]] = []
+        self.authorization: list[str | None] = []
         super().__init__(("127.0.0.1", 0), _CannedHandler)
 
 
@@ -35,6 +40,8 @@ class _CannedHandler(BaseHTTPRequestHandler):
         form = parse_qs(self.rfile.read(length).decode()) if length else {}
         url = urlsplit(self.path)
         self.server.requests.append((self.command, url.path, {**parse_qs(url.query), **form}))
+        self.server.authorization.append(self.headers.get("Authorization"))
+        time.sleep(self.server.delay)
         status, ctype, body = self.server.answer
         if status is None:  # cut the connection without answering
             self.close_connection = True
@@ -127,6 +134,78 @@ def test_closed_port_is_unreachable():
         port = s.getsockname()[1]  # closed again when the block ends: nothing listens there
     with pytest.raises(promapi.Unreachable, match=rf"Prometheus unreachable at http://127.0.0.1:{port}: .*refused"):
         promapi.Client(f"http://127.0.0.1:{port}", timeout=5).api("query", query="up")
+
+
+def test_a_slow_answer_is_a_timeout_not_unreachable(canned):
+    """A Prometheus that answered after the timeout was reported as "Prometheus unreachable"."""
+    srv, _ = canned
+    srv.delay = 1.0
+    client = promapi.Client(f"http://127.0.0.1:{srv.server_address[1]}", timeout=0.2)
+    with pytest.raises(promapi.TimedOut, match=rf"^Prometheus at {client.url} did not answer within 0.2 s$"):
+        client.api("query", query="up")
+
+
+def test_bearer_token_and_basic_auth_are_sent(canned):
+    srv, _ = canned
+    srv.answer = _json(200, {"status": "success", "data": {}})
+    base = f"127.0.0.1:{srv.server_address[1]}"
+    promapi.Client(f"http://{base}", 5, bearer_token="tok").api("targets")
+    promapi.Client(f"http://{base}", 5, basic_auth=("ann", "pa:ss")).api("targets")
+    promapi.Client(f"http://{base}").api("targets")
+    assert srv.authorization == ["Bearer tok", "Basic YW5uOnBhOnNz", None]   # base64("ann:pa:ss")
+
+
+def test_credentials_in_the_url_are_basic_auth_and_kept_out_of_messages(canned):
+    """``http://user:pass@host`` was sent as a host name "user:pass@host" ("Name or service not
+    known"), the password printed in the message."""
+    srv, _ = canned
+    srv.answer = (401, "text/plain", b"Unauthorized")
+    client = promapi.Client(f"http://ann:pa%40ss@127.0.0.1:{srv.server_address[1]}/prom/")
+    assert client.url == f"http://127.0.0.1:{srv.server_address[1]}/prom"
+    with pytest.raises(promapi.HTTPStatusError, match="HTTP 401 to /api/v1/query: Unauthorized") as err:
+        client.api("query", query="up")
+    assert err.value.code == 401 and "pa@ss" not in str(err.value) and "ann" not in str(err.value)
+    assert srv.authorization == ["Basic YW5uOnBhQHNz"]   # base64("ann:pa@ss")
+    with pytest.raises(promapi.PrometheusError, match="give them once"):
+        promapi.Client("http://ann:x@127.0.0.1:9", bearer_token="tok")
+
+
+def test_analysis_flags_send_a_token_and_the_errors_say_what_to_change(canned, tmp_path, monkeypatch, capsys):
+    """The analysis commands had a fixed 30 s timeout, reported a slow Prometheus as
+    "unreachable", and could send no credentials."""
+    srv, client = canned
+    token, empty = tmp_path / "token", tmp_path / "empty"
+    token.write_text("tok\n")
+    empty.write_text("\n")
+
+    def diagnose(*flags: str) -> str:
+        code, out, err = run_cli(monkeypatch, capsys, ["diagnose", "--prometheus", client.url, "--job", "j", *flags])
+        assert code == 2 and not out and len(err.splitlines()) == 1
+        return err.removeprefix("syncwatch diagnose: error: ").rstrip("\n")
+
+    srv.answer = (403, "text/plain", b"Forbidden")
+    assert diagnose("--prometheus-bearer-token-file", str(token)) == (
+        f"Prometheus at {client.url} answered HTTP 403 to /api/v1/query: Forbidden; "
+        "the credentials given are not allowed this request")
+    assert srv.authorization == ["Bearer tok"]
+    assert diagnose().endswith("Forbidden; access is refused without credentials: give "
+                               "--prometheus-bearer-token-file, or --prometheus-basic-auth-user with "
+                               "--prometheus-basic-auth-password-file")
+    srv.answer = _json(200, {"status": "success", "data": {"resultType": "vector", "result": []}})
+    srv.delay = 1.0
+    assert diagnose("--prometheus-timeout", "0.2") == (
+        f"Prometheus at {client.url} did not answer within 0.2 s; a slow query over a long range may need "
+        "a longer --prometheus-timeout")
+    srv.delay = 0.0
+    assert diagnose("--prometheus-bearer-token-file", str(empty)) == f"--prometheus-bearer-token-file {empty} is empty"
+    assert diagnose("--prometheus-bearer-token-file", str(tmp_path / "nope")) == (
+        f"cannot read --prometheus-bearer-token-file {tmp_path / 'nope'}: No such file or directory")
+    assert diagnose("--prometheus-bearer-token-file", str(token), "--prometheus-basic-auth-user", "ann",
+                    "--prometheus-basic-auth-password-file", str(token)) == (
+        "give either --prometheus-bearer-token-file or basic auth, not both")
+    for bad in ("0", "nan", "-1"):
+        assert diagnose("--prometheus-timeout", bad).startswith("--prometheus-timeout must be a positive number")
+    assert len(srv.requests) == 3   # the invalid flags were refused before asking Prometheus
 
 
 def test_a_url_without_scheme_is_refused_up_front():

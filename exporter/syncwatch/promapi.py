@@ -5,14 +5,20 @@
     client.api("targets")            # {"activeTargets": [...], "droppedTargets": [...]}
 
 Every failure is a ``PrometheusError`` whose message names the server and what went wrong, one
-subclass a cause: ``Unreachable`` (refused, timed out, cut off), ``HTTPStatusError`` (Prometheus
-said no; its own ``error`` text, e.g. a PromQL parse error, is in the message) and ``BadResponse``
-(an answer that is not Prometheus JSON: the URL points at something else). ``syncwatch.stack`` and
-``syncwatch.analysis`` wrap it in their own error types.
+subclass a cause: ``Unreachable`` (refused, no route, cut off), ``TimedOut`` (no answer within the
+timeout: the server may be up but slow), ``HTTPStatusError`` (Prometheus said no; its own ``error``
+text, e.g. a PromQL parse error, is in the message; 401/403: credentials missing or refused) and
+``BadResponse`` (an answer that is not Prometheus JSON: the URL points at something else).
+``syncwatch.stack`` and ``syncwatch.analysis`` wrap it in their own error types.
+
+A Prometheus-compatible endpoint behind an authenticating proxy takes ``bearer_token`` or
+``basic_auth=(user, password)``; credentials written in the URL (``https://user:pass@host``) are
+basic auth too, and are left out of the URL that messages show.
 """
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import urllib.error
@@ -25,7 +31,15 @@ class PrometheusError(Exception):
 
 
 class Unreachable(PrometheusError):
-    """No answer: connection refused, timed out or cut off."""
+    """No answer: connection refused, no route, or cut off."""
+
+
+class TimedOut(PrometheusError):
+    """No answer within the client's timeout (connecting or waiting for the answer)."""
+
+    def __init__(self, message: str, timeout: float):
+        super().__init__(message)
+        self.timeout = timeout
 
 
 class HTTPStatusError(PrometheusError):
@@ -44,11 +58,26 @@ class BadResponse(PrometheusError):
 class Client:
     """Requests against one Prometheus base URL (``http://host:port``, optionally with a path prefix)."""
 
-    def __init__(self, url: str, timeout: float = 30.0):
+    def __init__(self, url: str, timeout: float = 30.0, *, bearer_token: str | None = None,
+                 basic_auth: tuple[str, str] | None = None):
         if not url.startswith(("http://", "https://")):
             raise PrometheusError(f"{url!r}: expected an http:// or https:// URL")
+        if bearer_token is not None and basic_auth is not None:
+            raise PrometheusError("give a bearer token or basic auth, not both")
+        parts = urllib.parse.urlsplit(url)
+        if parts.username is not None:
+            if bearer_token is not None or basic_auth is not None:
+                raise PrometheusError("credentials both in the URL and given apart: give them once")
+            basic_auth = (urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or ""))
+            url = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.authorization: str | None = None
+        if bearer_token is not None:
+            self.authorization = f"Bearer {bearer_token}"
+        elif basic_auth is not None:
+            pair = f"{basic_auth[0]}:{basic_auth[1]}".encode()
+            self.authorization = "Basic " + base64.b64encode(pair).decode()
 
     def api(self, path: str, **params) -> object:
         """``/api/v1/<path>`` -> the answer's ``data``. Parameters that are None are left out.
@@ -80,6 +109,9 @@ class Client:
             req = urllib.request.Request(self.url + path, data=urllib.parse.urlencode(form).encode(),
                                          method="POST",
                                          headers={"Content-Type": "application/x-www-form-urlencoded"})
+        if self.authorization:
+            # not sent on to where a redirect points: that may be another host
+            req.add_unredirected_header("Authorization", self.authorization)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 return resp.read()
@@ -90,6 +122,9 @@ class Client:
                                   + (f": {detail}" if detail else ""), e.code, detail) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", None) or e
+            if isinstance(reason, TimeoutError):  # urlopen wraps a connect timeout in URLError
+                raise TimedOut(f"Prometheus at {self.url} did not answer within {self.timeout:g} s",
+                               self.timeout) from None
             raise Unreachable(f"Prometheus unreachable at {self.url}: {reason}") from None
 
 

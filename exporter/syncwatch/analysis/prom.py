@@ -2,7 +2,7 @@
 
 Requests go through ``syncwatch.promapi``; its errors become ``AnalysisError`` (exit code 2) with
 the message naming the URL and what went wrong, so every command reports "Prometheus unreachable"
-the same way.
+the same way; a timeout and an HTTP 401/403 also say which flag to change.
 """
 
 from __future__ import annotations
@@ -15,10 +15,15 @@ from .common import AnalysisError
 Series = dict[tuple[tuple[str, str], ...], list[tuple[float, float]]]
 
 
+_GIVE_CREDENTIALS = ("give --prometheus-bearer-token-file, or --prometheus-basic-auth-user with "
+                     "--prometheus-basic-auth-password-file")
+
+
 class Prometheus:
-    def __init__(self, url: str, timeout: float = 30.0):
+    def __init__(self, url: str, timeout: float = 30.0, *, bearer_token: str | None = None,
+                 basic_auth: tuple[str, str] | None = None):
         try:
-            self.client = promapi.Client(url, timeout)
+            self.client = promapi.Client(url, timeout, bearer_token=bearer_token, basic_auth=basic_auth)
         except promapi.PrometheusError as e:
             raise AnalysisError(f"--prometheus {e}") from None
         self.url = self.client.url
@@ -26,8 +31,23 @@ class Prometheus:
     def _data(self, path: str, **params) -> dict:
         try:
             return self.client.api(path, **params)
+        except promapi.TimedOut as e:
+            raise AnalysisError(f"{e}; a slow query over a long range may need a longer "
+                                "--prometheus-timeout") from None
+        except promapi.HTTPStatusError as e:
+            raise AnalysisError(f"{e}{self._auth_hint(e.code)}") from None
         except promapi.PrometheusError as e:
             raise AnalysisError(str(e)) from None
+
+    def _auth_hint(self, code: int) -> str:
+        given = self.client.authorization is not None
+        if code == 401:
+            return ("; the credentials given were not accepted" if given
+                    else f"; it asks for credentials: {_GIVE_CREDENTIALS}")
+        if code == 403:
+            return ("; the credentials given are not allowed this request" if given
+                    else f"; access is refused without credentials: {_GIVE_CREDENTIALS}")
+        return ""
 
     def query(self, expr: str, time: float) -> Series:
         """Instant query: {labels: [(t, v)]} (one point per series)."""
