@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import subprocess
+import time
 import urllib.error
+import urllib.request
 from pathlib import Path
 
 import yaml
 
 from syncwatch import cli
-from syncwatch.stack import Prometheus, http_get
+from syncwatch.stack import Prometheus, free_port, http_get
 
 # What diagnose must find in each simulator scenario, whether read from a recording or Prometheus.
 SCENARIO_MODES = {"healthy": set(), "straggler": {"straggler_persistent"}, "oscillation": {"oscillation"},
@@ -86,3 +90,45 @@ def backfilled_prometheus(workdir: Path, series: list[tuple[str, dict, list[tupl
     if web_config is not None:
         return _WebConfigPrometheus(web_config, workdir=str(workdir))
     return Prometheus(workdir=str(workdir))
+
+
+@contextlib.contextmanager
+def victoriametrics(workdir: Path, series: list[tuple[str, dict, list[tuple[float, float]]]]):
+    """A real single-node VictoriaMetrics on loopback holding ``series``; yields its URL.
+
+    The samples go in through its Prometheus text import (``/api/v1/import/prometheus``, timestamps
+    in milliseconds) and ``/internal/force_flush`` makes them searchable at once.
+    """
+    port = free_port()
+    log = workdir / "victoria-metrics.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([shutil.which("victoria-metrics"), f"-httpListenAddr=127.0.0.1:{port}",
+                                 f"-storageDataPath={workdir / 'vm'}", "-retentionPeriod=1y", "-loggerLevel=ERROR"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if http_get(url + "/health").strip() == b"OK":
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"VictoriaMetrics did not start:\n{log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        lines = []
+        for name, labels, points in series:
+            lab = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
+            lines += [f"{name}{{{lab}}} {v} {round(t * 1000)}" for t, v in points]
+        urllib.request.urlopen(urllib.request.Request(url + "/api/v1/import/prometheus",
+                                                      data="\n".join(lines).encode(), method="POST"), timeout=30).read()
+        http_get(url + "/internal/force_flush")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

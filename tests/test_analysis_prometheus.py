@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from analysis_helpers import backfilled_prometheus, run_cli
+from analysis_helpers import backfilled_prometheus, run_cli, victoriametrics
+from syncwatch.analysis.view import nearest_per_window
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
                                 reason="prometheus / promtool missing (Debian package: prometheus)")
@@ -81,6 +82,42 @@ def test_every_window_is_read_whatever_its_width(prom, span, monkeypatch, capsys
     assert d["steps"] == pytest.approx(span, rel=0.02)
     assert d["scores"]["mean_step_seconds"] == pytest.approx(1.0, rel=0.01)
     assert d["scores"]["sync_tax"] == pytest.approx(0.2, rel=0.01)
+
+
+@pytest.fixture(scope="module")
+def victoria(tmp_path_factory):
+    if shutil.which("victoria-metrics") is None:
+        pytest.skip("victoria-metrics missing (Debian package: victoria-metrics)")
+    series = [*job_series("steady"), *job_series("restarting", restarts={T0 + 302: 20, T0 + 1000: 30, T0 + 1800: 40})]
+    with victoriametrics(tmp_path_factory.mktemp("vm"), series) as url:
+        yield url
+
+
+@pytest.mark.parametrize(("job", "start", "span"), [("steady", T0 + 307, 960.12), ("steady", T0 + 300, 960.0),
+                                                    ("restarting", T0 + 300, 900.0)])
+def test_victoriametrics_reads_as_prometheus(prom, victoria, job, start, span, monkeypatch, capsys):
+    """VictoriaMetrics moves a range query's start down to a multiple of the step: its answers came
+    up to a step before the window ends asked for, and every window read as empty ("completed no
+    steps"). Its increase() does not extrapolate, hence the tolerance on the step count."""
+    vm = _diagnose(monkeypatch, capsys, victoria, job, start, start + span)
+    pr = _diagnose(monkeypatch, capsys, prom, job, start, start + span)
+    assert vm["steps"] == pytest.approx(span, rel=0.02)
+    for score in ("mean_step_seconds", "sync_tax", "coupling", "restarts", "rerun_steps"):
+        assert vm["scores"][score] == pytest.approx(pr["scores"][score], rel=0.01), score
+    assert [f["mode"] for f in vm["findings"]] == [f["mode"] for f in pr["findings"]]
+
+
+def test_answers_on_a_grid_moved_earlier_are_read_into_the_nearest_window():
+    """A backend aligning the range start to the step (Thanos' query frontend) answers at each
+    window end less the same offset; exact matching read none of them."""
+    times = [100.0 + 16 * (i + 1) for i in range(4)]                 # 116, 132, 148, 164
+    assert nearest_per_window([(t, i) for i, t in enumerate(times)], times, 16) == [0, 1, 2, 3]
+    assert nearest_per_window([(t - 4, i) for i, t in enumerate(times)], times, 16) == [0, 1, 2, 3]
+    # moved by more than half a window: each point is nearer the next window's end; the first
+    # (mostly before the range) is left out and the last window has no answer
+    assert nearest_per_window([(t - 12, i) for i, t in enumerate(times)], times, 16) == [1, 2, 3, None]
+    assert nearest_per_window([(times[0] - 12, 0)], times, 16) == [None] * 4
+    assert nearest_per_window([(times[1], float("nan"))], times, 16) == [None] * 4
 
 
 @pytest.mark.parametrize(("job", "start", "end", "restarts", "rerun"), [

@@ -218,8 +218,7 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
         return prom.query_range(expr, times[0], times[-1], width)
 
     def align(points: list[tuple[float, float]]) -> list[float | None]:
-        by_t = {round(t, 3): v for t, v in points}
-        return [_finite(by_t.get(round(t, 3))) for t in times]
+        return nearest_per_window(points, times, width)
 
     per_rank: dict[str, dict[int, list[float | None]]] = {}
     for name, (metric, extra) in COUNTERS.items():
@@ -259,6 +258,25 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
         rerun_steps=job_series(f"max(syncwatch_job_rerun_steps_total{{{sel}}})"),
         hardware=hardware, samples_per_rank_step=samples, checkpoints=checkpoints,
         restarts_at_start=at_start["restarts"], rerun_steps_at_start=at_start["rerun_steps"])
+
+
+def nearest_per_window(points: list[tuple[float, float]], times: list[float],
+                       width: float) -> list[float | None]:
+    """Each window's value: the answer's point nearest the window's end, within half a window.
+
+    Prometheus answers exactly at the window ends asked for, but a backend that moves a range's
+    start to a multiple of the step (Thanos' query frontend; VictoriaMetrics without ``nocache``)
+    answers up to a step earlier. Matched by exact timestamp, every window of such an answer read
+    as empty ("completed no steps"); matched to the nearest end, each window reads the evaluation
+    at most half a window from its own.
+    """
+    out: list[float | None] = [None] * len(times)
+    off = [width / 2] * len(times)
+    for t, v in points:
+        i = math.floor((t - times[0]) / width + 0.5)
+        if 0 <= i < len(times) and abs(t - times[i]) <= off[i]:
+            out[i], off[i] = _finite(v), abs(t - times[i])
+    return out
 
 
 def _increase(before: float | None, cumulative: list[float | None]) -> float:
