@@ -68,6 +68,27 @@ def test_congestion_counters_following_the_collective_raise_confidence():
     assert any("correlation with collective time" in e["reading"] for e in f.evidence)
 
 
+def _without_skew_exchange(v):
+    """The view as Prometheus gives it with the exact skew exchange off: no slack, no last arrivals."""
+    for name in ("slack_seconds", "last_arrivals"):
+        v.per_rank[name] = {r: [0.0] * len(row) for r, row in v.per_rank[name].items()}
+    return v
+
+
+def test_contention_without_the_skew_exchange_does_not_claim_arrival_spread_was_ruled_out():
+    """With the exchange off the "collective time" is the whole sync wait, yet the finding said the
+    collective itself slowed "while arrival spread (slack) did not explain it" (slack was never
+    measured), at medium confidence."""
+    with_slack = diagnose(recording.to_view(recorded("congestion"), "test")).findings
+    (f,) = diagnose(_without_skew_exchange(recording.to_view(recorded("congestion"), "test"))).findings
+    assert [g.mode for g in with_slack] == [f.mode] == ["fabric_contention"]
+    text = " ".join([f.phenomenon, *(e["series"] + " " + e["reading"] for e in f.evidence)])
+    assert "slack) did not explain" not in text and "not the ranks' arrival spread" not in text
+    assert "cannot be told apart from late arrivals" in f.phenomenon
+    assert f.evidence[0]["series"] == "sync wait per step = sync / steps (no slack: skew exchange off)"
+    assert f.confidence_word == "low" and f.confidence == pytest.approx(with_slack[0].confidence - 0.2)
+
+
 def test_topology_mismatch_when_collective_grows_without_bytes_or_congestion():
     run = recorded("healthy")
     half = len(run["steps"]) // 2

@@ -324,9 +324,14 @@ def detect_fabric(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
     episodes = frac >= th.inflated_windows
     if not episodes and not (best is not None and best >= th.correlation and max(vals) >= th.collective_inflation * base):
         return []
-    evidence = [{"series": "collective time per step = (sync − slack) / steps", "value": round(base, 6),
+    # without the skew exchange there is no slack to take out: the "collective time" is the whole
+    # sync wait, arrival spread included, and a straggler episode looks the same as a slow fabric
+    spread_known = v.has_exact()
+    measure, formula = (("collective time per step", "(sync − slack) / steps") if spread_known
+                        else ("sync wait per step", "sync / steps (no slack: skew exchange off)"))
+    evidence = [{"series": f"{measure} = {formula}", "value": round(base, 6),
                  "reading": f"baseline {1e3 * base:.1f} ms per step"},
-                {"series": "collective time per step, inflated windows", "value": round(max(vals), 6),
+                {"series": f"{measure}, inflated windows", "value": round(max(vals), 6),
                  "reading": f"{pct(frac)} of windows at ≥ {th.collective_inflation}x baseline, "
                             f"peak {1e3 * max(vals):.1f} ms ({max(vals) / base:.1f}x)"},
                 {"series": "train_job:syncwatch_sync_tax:ratio5m", "value": round(s["sync_tax"] or 0, 4),
@@ -345,12 +350,22 @@ def detect_fabric(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
     else:
         conf = 0.65
         evidence.append({"series": "syncwatch_ib_port_xmit_wait_total, syncwatch_roce_*", "value": None,
-                         "reading": "no fabric counters in range to confirm; the collective itself slowed "
-                                    "while arrival spread (slack) did not explain it"})
+                         "reading": "no fabric counters in range to confirm" + (
+                             "; the collective itself slowed while arrival spread (slack) did not explain it"
+                             if spread_known else "")})
+    if not spread_known and conf < 0.9:  # unless the fabric counters follow it: a guess
+        conf -= 0.2
+        evidence.append({"series": "syncwatch_slack_seconds_total", "value": None,
+                         "reading": "no slack in range (exact skew exchange off): late arrivals (a straggler "
+                                    "episode) would inflate the sync wait the same way"})
+    what = (f"The gradient collective itself slows down in episodes ({pct(frac)} of windows, up to "
+            f"{max(vals) / base:.1f}x its baseline) — not the ranks' arrival spread." if spread_known else
+            f"The synchronization wait grows in episodes ({pct(frac)} of windows, up to {max(vals) / base:.1f}x "
+            "its baseline); with the skew exchange off, a slower collective cannot be told apart from "
+            "late arrivals.")
     return [Finding(
         mode="fabric_contention", title="Fabric contention",
-        phenomenon=f"The gradient collective itself slows down in episodes ({pct(frac)} of windows, up to "
-                   f"{max(vals) / base:.1f}x its baseline) — not the ranks' arrival spread.",
+        phenomenon=what,
         evidence=evidence,
         cause="Traffic of this job (or a neighbour) collides on an oversubscribed fabric: flows share "
               "links and switch buffers, congestion control (ECN/CNP, InfiniBand credit waits) throttles "
