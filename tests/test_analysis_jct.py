@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -232,6 +233,17 @@ def test_summary_names_the_figures(monkeypatch, capsys):
       "--grad-bytes", "1G", "--overlap", "2"], "--overlap"),
     (["--nodes", "4", "--sustained-tflops", "100", "--flops", "1e20", "--steps", "10",
       "--grad-bytes", "1G", "--checkpoint-interval", "often"], "--checkpoint-interval"),
+    # non-finite numbers were taken: NaN jitter printed "predicted never", infinities nonsense
+    (["--nodes", "4", "--sustained-tflops", "100", "--flops", "1e20", "--steps", "10",
+      "--grad-bytes", "1G", "--jitter-cv", "nan"], "--jitter-cv must be a finite number (got nan)"),
+    (["--nodes", "4", "--sustained-tflops", "100", "--flops", "1e20", "--steps", "10",
+      "--grad-bytes", "1e999"], "--grad-bytes must be a finite number (got inf)"),
+    (["--nodes", "4", "--sustained-tflops", "100", "--flops", "1e20", "--steps", "10",
+      "--grad-bytes", "1G", "--t-drain", "inf"], "--t-drain must be a finite number"),
+    (["--nodes", "4", "--sustained-tflops", "100", "--flops", "1e20", "--steps", "10",
+      "--grad-bytes", "1G", "--checkpoint-interval", "inf"], "--checkpoint-interval must be a positive number"),
+    (["--nodes", "4", "--sustained-tflops", "100", "--flops", "1e20", "--steps", "10",
+      "--params", "1G", "--grad-dtype-bytes", "0"], "--grad-dtype-bytes must be positive"),
 ])
 def test_bad_input_exits_2_with_a_clear_message(monkeypatch, capsys, argv, message):
     code, out, err = run_cli(monkeypatch, capsys, ["jct", *argv])
@@ -246,3 +258,25 @@ def test_bad_config_file_exits_2(tmp_path, monkeypatch, capsys):
     assert code == 2 and "unknown key 'warp_drive'" in err
     code, _, err = run_cli(monkeypatch, capsys, ["jct", "--config", str(tmp_path / "missing.yaml")])
     assert code == 2 and "cannot read --config" in err
+
+
+def test_a_job_failing_faster_than_it_recovers_cannot_finish(monkeypatch, capsys):
+    """A failure every 3.6 s against a 10 min restart printed a predicted wall-clock of an
+    80-digit number of days, and as many expected failures."""
+    argv = ["jct", "--params", "70G", "--tokens", "2T", "--batch-tokens", "4M", "--seq-len", "4096",
+            "--nodes", "128", "--sustained-tflops", "400", "--checkpoint-seconds", "30"]
+    code, out, _ = run_cli(monkeypatch, capsys, [*argv, "--mtbf-hours", "0.001"])
+    assert code == 0
+    assert ("predicted wall-clock    never: the job cannot be expected to finish (a failure every 3.60 s "
+            "against a restart of 10m 0s; without failures 30d 22h 5m)") in out
+    assert "failures strike faster than the job recovers" in out
+    assert max(len(run) for run in re.findall(r"\d+", out)) <= 6, out
+    est = run_json(monkeypatch, capsys, [*argv, "--mtbf-hours", "0.001"])["estimate"]
+    assert est["finishes"] is False and est["reading"].startswith("the job cannot finish")
+    # a ten-thousandth of that: failures 36 ms apart, Daly's formula overflows; no node count helps
+    code, out, _ = run_cli(monkeypatch, capsys, [*argv, "--mtbf-hours", "0.00001", "--max-nodes", "200"])
+    assert code == 0 and "never: the job cannot be expected to finish" in out
+    assert "sync wall               none: the job cannot be expected to finish at any node count up to 122" in out
+    # slow but finishing: figures as before
+    est = run_json(monkeypatch, capsys, [*argv, "--mtbf-hours", "0.2"])["estimate"]
+    assert est["finishes"] is True and est["predicted_seconds"] == pytest.approx(3.12 * est["solve_seconds"], rel=0.01)

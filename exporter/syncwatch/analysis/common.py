@@ -59,10 +59,15 @@ def quantity(text: str | float | int) -> float:
     return float(m.group(1)) * _SI.get(m.group(2), 1.0)
 
 
+YEAR = 365.25 * 86400
+
+
 def human_seconds(s: float | None) -> str:
-    """``93784`` -> ``1d 2h 3m``; ``0.0274`` -> ``27.4 ms``."""
+    """``93784`` -> ``1d 2h 3m``; ``0.0274`` -> ``27.4 ms``; from ten years on ``2.3e+05 years``."""
     if s is None or not math.isfinite(s):
         return "never"
+    if s >= 10 * YEAR:
+        return f"{s / YEAR:.3g} years"
     if s < 1e-3:
         return f"{s * 1e6:.1f} µs"
     if s < 1:

@@ -12,6 +12,8 @@ Model (docs/analysis.md has the derivation and worked figures):
   last checkpoint is part of Daly's formula
 * theoretical minimum = total FLOPs / (GPUs x sustained TFLOPS); utilization efficiency =
   minimum / predicted; sync wall = node count minimizing predicted wall time at the same global batch
+* a job whose predicted wall time exceeds ``NEVER_FACTOR`` x its failure-free time (failures faster
+  than it recovers and checkpoints) cannot be expected to finish, and is reported so
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .common import AnalysisError, command, emit_json, finite_or_none, human_sec
 from .orderstats import expected_normal_max
 
 COMM_BOUND, COMPUTE_BOUND = 0.70, 0.85
+NEVER_FACTOR = 100.0  # predicted / failure-free time beyond which more than 99 % of the time is lost
 MAX_SWEEP_NODES = 1 << 17
 
 
@@ -112,6 +115,12 @@ class JobSpec:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise AnalysisError(f"--{name.replace('_', '-')} must be positive (got {v})")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise AnalysisError(f"--{f.name.replace('_', '-')} must be a finite number (got {v})")
+        if not self.grad_dtype_bytes > 0:
+            raise AnalysisError(f"--grad-dtype-bytes must be positive (got {self.grad_dtype_bytes})")
         for name in ("checkpoint_seconds", "t_drain", "t_provision", "t_download", "t_reinit",
                      "t_catchup", "jitter_cv", "nvlink_latency_us", "net_latency_us"):
             if getattr(self, name) < 0:
@@ -159,8 +168,8 @@ def interval_seconds(text: str) -> float | None:
         v = float(text)
     except ValueError:
         raise AnalysisError(f"--checkpoint-interval must be daly, young or seconds (got {text!r})") from None
-    if not v > 0:
-        raise AnalysisError("--checkpoint-interval must be positive")
+    if not (math.isfinite(v) and v > 0):
+        raise AnalysisError(f"--checkpoint-interval must be a positive number of seconds (got {text!r})")
     return v
 
 
@@ -192,6 +201,7 @@ class Estimate:
     expected_failures: float
     failure_overhead_seconds: float
     predicted_seconds: float
+    finishes: bool                   # False: failures outpace recovery (predicted > NEVER_FACTOR x solve)
     efficiency: float
     reading: str
     largest_loss: str
@@ -257,12 +267,14 @@ def estimate(spec: JobSpec, *, with_sync_wall: bool = True) -> Estimate:
     fail_overhead = predicted - solve - ckpt_overhead
     failures = predicted / mtbf if mtbf else 0.0
     eff = t_min / predicted if predicted > 0 else 0.0
+    finishes = predicted <= NEVER_FACTOR * solve
 
     losses = {"pipeline bubble": steps * bubble, "straggler jitter": steps * jitter,
               "exposed all-reduce": steps * exposed, "checkpoints": ckpt_overhead,
               "failures and re-runs": fail_overhead}
     name, lost = max(losses.items(), key=lambda kv: kv[1])
-    largest = f"{name} ({pct(lost / predicted)} of wall time)" if lost > 0 and predicted > 0 else "none"
+    share = f" ({pct(lost / predicted)} of wall time)" if math.isfinite(predicted) else ""
+    largest = f"{name}{share}" if lost > 0 and predicted > 0 else "none"
 
     est = Estimate(
         nodes=spec.nodes, gpus=gpus, dp=dp, dp_local=dp_local, dp_nodes=dp_nodes, steps=steps,
@@ -273,7 +285,9 @@ def estimate(spec: JobSpec, *, with_sync_wall: bool = True) -> Estimate:
         young_interval_seconds=young, daly_interval_seconds=daly,
         checkpoint_overhead_seconds=ckpt_overhead, mtbf_seconds=mtbf, restart_seconds=restart,
         expected_failures=failures, failure_overhead_seconds=fail_overhead,
-        predicted_seconds=predicted, efficiency=eff, reading=reading(eff), largest_loss=largest)
+        predicted_seconds=predicted, finishes=finishes, efficiency=eff,
+        reading=reading(eff) if finishes else "the job cannot finish (failures outpace recovery)",
+        largest_loss=largest)
     if with_sync_wall:
         est.sync_wall = sync_wall(spec)
     return est
@@ -320,15 +334,16 @@ def sync_wall(spec: JobSpec) -> dict:
     curve = []
     for n in sweep_nodes(spec, limit):
         e = estimate(at_nodes(spec, n), with_sync_wall=False)
-        curve.append((n, e.predicted_seconds))
-    best_n, best_t = min(curve, key=lambda p: (p[1], p[0]))
+        curve.append((n, e.predicted_seconds, e.finishes))
+    best_n, best_t, finishes = min(curve, key=lambda p: (p[1], p[0]))
     reached = best_n < curve[-1][0]
     return {
         "nodes": best_n,
         "predicted_seconds": finite_or_none(best_t),
+        "finishes": finishes,
         "reached": reached,
         "limited_by": "minimum" if reached else why,
-        "curve": [{"nodes": n, "predicted_seconds": finite_or_none(t)} for n, t in curve],
+        "curve": [{"nodes": n, "predicted_seconds": finite_or_none(t)} for n, t, _ in curve],
     }
 
 
@@ -437,7 +452,7 @@ def summary(spec: JobSpec, e: Estimate) -> str:
         f"{spec.algorithm} all-reduce",
         f"  theoretical minimum     {human_seconds(e.theoretical_min_seconds)}"
         f"   ({e.total_flops:.3g} FLOP at {spec.sustained_tflops:g} TFLOPS x {e.gpus:,} GPUs)",
-        f"  predicted wall-clock    {human_seconds(e.predicted_seconds)}",
+        f"  predicted wall-clock    {predicted_text(e)}",
         f"  utilization efficiency  {pct(e.efficiency)}: {e.reading}; largest loss: {e.largest_loss}",
         f"  per step ({e.steps:,.0f} steps) compute {human_seconds(e.compute_seconds)}, "
         f"bubble {human_seconds(e.bubble_seconds)}, jitter {human_seconds(e.jitter_seconds)}, "
@@ -455,15 +470,22 @@ def summary(spec: JobSpec, e: Estimate) -> str:
                      f"{human_seconds(e.checkpoint_overhead_seconds)} in all")
     else:
         lines.append("  checkpoints             none modelled")
-    if e.mtbf_seconds:
-        lines.append(f"  failures                MTBF {human_seconds(e.mtbf_seconds)}: ~{e.expected_failures:.1f} "
+    if e.mtbf_seconds and not e.finishes:
+        lines.append(f"  failures                MTBF {human_seconds(e.mtbf_seconds)}, restart "
+                     f"{human_seconds(e.restart_seconds)} each: failures strike faster than the job "
+                     "recovers and checkpoints")
+    elif e.mtbf_seconds:
+        lines.append(f"  failures                MTBF {human_seconds(e.mtbf_seconds)}: ~{e.expected_failures:,.1f} "
                      f"expected, restart {human_seconds(e.restart_seconds)} each; with re-runs "
                      f"{human_seconds(e.failure_overhead_seconds)} in all")
     else:
         lines.append("  failures                none modelled (give --mtbf-hours)")
     w = e.sync_wall
     if w:
-        if w["reached"]:
+        if not w["finishes"]:
+            lines.append(f"  sync wall               none: the job cannot be expected to finish at any node count "
+                         f"up to {w['curve'][-1]['nodes']:,}")
+        elif w["reached"]:
             lines.append(f"  sync wall               {w['nodes']:,} nodes (predicted "
                          f"{human_seconds(w['predicted_seconds'])}); beyond it adding nodes no longer "
                          "shortens the job")
@@ -471,6 +493,14 @@ def summary(spec: JobSpec, e: Estimate) -> str:
             lines.append(f"  sync wall               not reached up to {w['nodes']:,} nodes "
                          f"(limited by the {w['limited_by']}; predicted {human_seconds(w['predicted_seconds'])} there)")
     return "\n".join(lines)
+
+
+def predicted_text(e: Estimate) -> str:
+    if e.finishes:
+        return human_seconds(e.predicted_seconds)
+    return (f"never: the job cannot be expected to finish (a failure every {human_seconds(e.mtbf_seconds)} "
+            f"against a restart of {human_seconds(e.restart_seconds)}; without failures "
+            f"{human_seconds(e.solve_seconds)})")
 
 
 @command("jct")
