@@ -136,6 +136,31 @@ def test_step_cv_and_autocorrelation_over_the_window(sock_path):
     assert ac < -0.5  # the alternating pattern reads as oscillation
 
 
+def test_step_cv_leaves_each_process_s_first_step_out(sock_path):
+    """A process's first step is its warm-up (setup, a checkpoint load, compilation): 60 s before
+    5 s steps would read CV ~1 for the whole window. The CV reads the steps after it; a
+    restarted process's first step is left out too; the totals keep every step."""
+    rng = random.Random(5)
+    steady = [rng.uniform(4.9, 5.1) for _ in range(20)]
+    with DaemonThread(config(sock_path, window=100)) as d:
+        c = Client(d.socket_path)
+        sim = RankSim(identity(0))
+        c.send(sim.step(1, 60.0), *(sim.step(i + 2, x) for i, x in enumerate(steady)))
+        wait_records(d.url, 21)
+        m = scrape(d.url)
+        cv = value(m, "syncwatch_step_cv", train_job="job-a", rank=0)
+        assert cv == pytest.approx(statistics.pstdev(steady) / statistics.mean(steady), rel=1e-9)
+        assert cv < 0.02
+        assert value(m, "syncwatch_step_seconds_total", train_job="job-a", rank=0) == \
+            pytest.approx(60.0 + sum(steady))
+        restarted = RankSim(identity(0, pid=4242))  # a new process: fresh state, its own warm-up
+        c.send(restarted.step(11, 90.0), *(restarted.step(i + 12, x) for i, x in enumerate(steady[:5])))
+        wait_records(d.url, 27)
+        m = scrape(d.url)
+    assert value(m, "syncwatch_step_cv", train_job="job-a", rank=0) == pytest.approx(
+        statistics.pstdev(steady[:5]) / statistics.mean(steady[:5]), rel=1e-9)
+
+
 def test_step_cv_leaves_the_checkpoint_phase_out(sock_path):
     """Steps of 0.1 s with a 5 s checkpoint every 7th: the CV and autocorrelation read the steps
     less their checkpoint phase (planned pauses, not jitter); the step counters and the
@@ -258,13 +283,13 @@ def test_cardinality_bomb_is_bounded(sock_path, kind):
 def _full_exposition(daemon, client, ranks=4):
     sims = [RankSim(identity(r, world=ranks), tokens=True) for r in range(ranks)]
     skew = SkewHistogram(2, 0.003, tuple(0 if b < 0.001 else 2 for b in SKEW_BUCKETS))
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4):  # the first is left out of the CV: three for the autocorrelation
         for sim in sims:
             client.send(sim.step(step, 0.1 * step, checkpoint=step == 2,
                                  skew=skew if sim.ident.rank == 0 else None))
     for sim in sims:
-        client.send(sim.enc.heartbeat(WALL0 + 4, 3, WALL0 + 3, "sync", 1.5, 7))
-    wait_records(daemon.url, 4 * ranks)
+        client.send(sim.enc.heartbeat(WALL0 + 5, 4, WALL0 + 4, "sync", 1.5, 7))
+    wait_records(daemon.url, 5 * ranks)
 
 
 def test_node_histograms_follow_the_ranks_not_every_node_label_ever_seen(sock_path):
@@ -319,11 +344,11 @@ def test_text_preferred_openmetrics_only_when_nothing_else_and_gzip(daemon, clie
     _full_exposition(daemon, client, ranks=2)
     ctype, encoding, body = _get(daemon.url, PROMETHEUS_ACCEPT)  # what Prometheus sends
     assert ctype.startswith("text/plain") and encoding == "gzip"
-    assert 'syncwatch_steps_total{rank="0",train_job="job-a"} 3.0' in body
+    assert 'syncwatch_steps_total{rank="0",train_job="job-a"} 4.0' in body
     ctype, encoding, body = _get(daemon.url, "application/openmetrics-text;version=1.0.0")
     assert ctype.startswith("application/openmetrics-text") and encoding == "gzip"
     assert body.endswith("# EOF\n")
-    assert 'syncwatch_steps_total{rank="0",train_job="job-a"} 3' in body
+    assert 'syncwatch_steps_total{rank="0",train_job="job-a"} 4' in body
     assert scrape_text(daemon.url).startswith("# HELP")
 
 

@@ -301,9 +301,12 @@ class State:
         r.exact, r.has_tokens = rec.exact, rec.has_tokens
         # a checkpoint is a planned pause, not jitter: a 30 s save among 0.5 s steps would hold
         # the CV near 4 for W steps, and the variance alert would page on every healthy job
-        # that checkpoints every few minutes
-        r.window.append(max(rec.step_seconds - rec.phase_seconds[_CHECKPOINT], 0.0))
-        r.version += 1
+        # that checkpoints every few minutes. Nor is a process's first step, its warm-up (the
+        # setup since init(), a checkpoint load, torch.compile, the first collectives): a 60 s
+        # first step among 5 s steps held the CV near 1 for W steps, past the alert's 10 minutes
+        if totals.steps > 1:
+            r.window.append(max(rec.step_seconds - rec.phase_seconds[_CHECKPOINT], 0.0))
+            r.version += 1
         if step > r.last_step:
             r.last_step = step
         if rec.wall_time > r.last_step_wall:
