@@ -82,6 +82,34 @@ def test_phases_steps_and_samples_reach_the_daemon(rx):
     assert rx.of(EndRecord)[0].last_step == 2 and rx.of(EndRecord)[0].reason == "completed"
 
 
+def test_the_first_step_starts_at_its_first_phase_not_at_init(rx):
+    """Between init() and the loop come the model's setup, a checkpoint load, a barrier: no
+    step's. The first step starts at its first phase (without phases: at init()); the barrier
+    before it still counts in the collective sequence."""
+    m = make_monitor(rx)
+    time.sleep(0.2)  # a checkpoint load
+    m.timed_collective(time.sleep, (0.05,), {}, async_index=1)  # a barrier before the loop
+    for _ in range(2):
+        with m.phase("data"):
+            time.sleep(0.01)
+        with m.phase("forward"):
+            time.sleep(0.01)
+        m.step(1)
+    first, second = steps(rx, 2)
+    assert 0.02 <= first.step_seconds < 0.1, first
+    assert phase(first, "sync") == 0 and first.wait_seconds == 0
+    assert first.collective_sequence == 1
+    assert second.totals.step_seconds == pytest.approx(first.step_seconds + second.step_seconds)
+    m.shutdown()
+
+    rx.records.clear()
+    m = make_monitor(rx)  # no phases: the first step runs from init()
+    time.sleep(0.2)
+    m.step(1)
+    assert steps(rx, 1)[0].step_seconds >= 0.2
+    m.shutdown()
+
+
 def test_collective_wait_moves_from_the_enclosing_phase_to_sync(rx):
     m = make_monitor(rx)
     with m.phase("backward"):

@@ -153,8 +153,8 @@ class _Steps:
         self.model_id = None  # the model whose forwards count the samples: the first to run
         self.in_eval = False  # the forward under way runs with autograd off
         self.samples = 0
-        self.steps = 0  # steps ended
-        self.switch("data")
+        self.steps = 0  # steps ended; the first one starts at the first forward, not here:
+        # between the model's wrapping and the loop come its setup and often a checkpoint load
 
     def switch(self, name: str | None) -> None:
         if self.cur is not None:

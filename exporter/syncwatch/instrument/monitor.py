@@ -108,7 +108,8 @@ class Monitor:
         self._grad: tuple | None = None  # the step's gradient-sync wait (DDP), also in _sync
         self._ready = None       # mark when the (latest bucket's) gradients were ready
         self._done = None        # mark when the (latest bucket's) collective was done
-        self._step_start = self.clock.mark()
+        self._step_start = self.clock.mark()  # the first step's: moved to its first phase
+        self._begun = False      # a phase began or a step ended: the first step has its start
         self._pending: collections.deque = collections.deque()  # lazily timed steps
         self._window: list[float] = []
         self._last = None  # the last step record's own values (_emit), for shutdown's re-send
@@ -193,6 +194,8 @@ class Monitor:
                     # phases' starts and ends are most of the entries: handled here, and a
                     # phase with nothing inside (its end next) straight into a span
                     if code < EXIT:
+                        if not self._begun:
+                            self._begin(e[1])
                         if entries and entries[0][0] == code + EXIT and self._done is None:
                             end = pop()
                             n = len(self._sync)
@@ -213,6 +216,14 @@ class Monitor:
                     self._error()
             if self._pending:
                 self._resolve()
+
+    def _begin(self, mark) -> None:
+        """The first phase of the first step: the step starts here, not at ``init()``. What came
+        between (the model's setup, a checkpoint load, a barrier before the loop) is no step's:
+        counted in, a first step of minutes among 1 s steps skewed every per-step figure."""
+        self._begun = True
+        old, self._step_start, self._sync = self._step_start, mark, []
+        self.clock.release(old)
 
     def _replay(self, e, host) -> None:
         """Any entry but a phase's start or end (``flush`` handles those)."""
@@ -278,6 +289,7 @@ class Monitor:
 
     def _end_step(self, e, host) -> None:
         _, end, wall, samples, tokens, number = e
+        self._begun = True
         self._close_ddp()
         number = self._step_number(number)
         if number <= self.last_step and self.last_step_wall:  # after a step: a job counting from 0
