@@ -114,9 +114,21 @@ def recording_rules(c: Ctx) -> list[dict]:
          "expr": "avg by (train_job) (syncwatch_step_autocorrelation)"},
         {"record": "train_job:syncwatch_oscillation:avg5m",
          "expr": f"clamp_min(-avg_over_time(train_job:syncwatch_step_autocorrelation:avg[{r}]), 0)"},
-        # --- restarts and re-run work (job-level counters)
+        # --- restarts and re-run work (job-level counters). A daemon counts the restarts it sees
+        # rank 0 make; a restart that moves rank 0 to another node is counted by neither daemon
+        # (the new one meets the job at its new attempt), so the rise of the job's attempt over
+        # the window counts too, whichever daemons reported it: the larger of the two
         {"record": "train_job:syncwatch_restarts:increase1h",
-         "expr": f"sum by (train_job) (increase(syncwatch_job_restarts_total[{c.d(w.restarts)}]))"},
+         "expr": "max by (train_job) (\n"
+                 "  label_replace(\n"
+                 f"    sum by (train_job) (increase(syncwatch_job_restarts_total[{c.d(w.restarts)}])),\n"
+                 '    "counted", "restarts", "", "")\n'
+                 "  or\n"
+                 "  label_replace(\n"
+                 f"    max by (train_job) (max_over_time(syncwatch_job_attempt[{c.d(w.restarts)}]))\n"
+                 f"    - min by (train_job) (min_over_time(syncwatch_job_attempt[{c.d(w.restarts)}])),\n"
+                 '    "counted", "attempts", "", "")\n'
+                 ")"},
         {"record": "train_job:syncwatch_rerun:ratio1h",
          "expr": f"clamp_max(\n"
                  f"  sum by (train_job) (increase(syncwatch_job_rerun_steps_total[{c.d(w.restarts)}]))\n"
