@@ -276,9 +276,12 @@ class FakeExchange:
         import collections
         self.results = collections.deque()
         self.windows = []
+        self.step_seconds = []
+        self.failed = False
 
-    def submit(self, waits):
+    def submit(self, waits, step_seconds=0.0):
         self.windows.append(list(waits))
+        self.step_seconds.append(step_seconds)
 
     def drain(self, timeout):
         return True
@@ -310,6 +313,51 @@ def test_exchange_windows_and_results_feed_slack_and_rank0_skew(rx):
     m2.step(1)
     r = steps(rx, 1)[0]
     assert r.exact and r.skew is None and r.totals.last_arrivals == 1  # only rank 0 sends skew
+    m2.shutdown()
+
+
+def test_window_size_after_the_first_takes_the_target_seconds_at_most_k():
+    from syncwatch.skew import window_size
+    assert window_size(10.0, 50, 30.0) == 3
+    assert window_size(0.5, 50, 30.0) == 50
+    assert window_size(120.0, 50, 30.0) == 1
+    assert window_size(0.0, 50, 30.0) == 50  # no step time measured: K
+    assert window_size(10.0, 50, 0.0) == 50  # adaptation off
+
+
+def test_windows_after_the_first_are_sized_by_its_result(rx):
+    """The first window is K steps. The next ones wait for its result, whose all-reduced median
+    step time sizes them (the same on every rank), then go as soon as they are full."""
+    ex = FakeExchange()
+    m = make_monitor(rx, exchange=ex, exchange_every=10, exchange_seconds=0.2)
+    for _ in range(16):
+        time.sleep(0.01)
+        m.step(1)
+    m.flush()
+    assert [len(w) for w in ex.windows] == [10]  # the next size is not known yet
+    assert 0.01 <= ex.step_seconds[0] < 0.05
+    ex.results.append(WindowResult(0.0, 0, (0.0,) * 10, step_seconds=0.05))  # slowest rank's
+    for _ in range(6):
+        m.step(1)
+    m.flush()
+    assert [len(w) for w in ex.windows] == [10, 4, 4, 4]  # 0.2 s at 0.05 s a step
+    m.shutdown()
+
+    ex2 = FakeExchange()  # fast steps: K stays
+    m2 = make_monitor(rx, exchange=ex2, exchange_every=3)
+    for _ in range(3):
+        m2.step(1)
+    m2.flush()
+    ex2.results.append(WindowResult(0.0, 0, (0.0,) * 3, step_seconds=0.001))
+    for _ in range(6):
+        m2.step(1)
+    m2.flush()
+    assert [len(w) for w in ex2.windows] == [3, 3, 3]
+    ex2.failed = True  # the exchange stopped: no window waits for a result that never comes
+    for _ in range(5):
+        m2.step(1)
+    m2.flush()
+    assert m2.exchange_every == 0 and m2._window == [] and len(ex2.windows) == 3
     m2.shutdown()
 
 

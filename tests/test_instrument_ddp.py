@@ -119,6 +119,21 @@ def test_straggler_is_named_by_exact_slack_and_last_arrivals(daemon, sock_path, 
     assert below <= 0.1 * count  # the skew sits at the injected delay, not below it
 
 
+def test_slow_steps_shorten_the_windows_after_the_first(daemon, sock_path, tmp_path):
+    """Steps of over 0.1 s with K = 20 and a target of 0.5 s between exchanges: after the first
+    window (20 steps) the windows are 0.5 s of steps (4 or fewer, all dividing the 12 left), so
+    all 32 steps are exchanged; with K fixed, the last 12 never were (a partial window)."""
+    job, steps = "slow-steps", 32
+    procs = launch(2, ["--instrument", "explicit", "--steps", str(steps), "--step-pause", "0.1"],
+                   tmp_path, job, SYNCWATCH_SOCKET=sock_path, SYNCWATCH_JOB=job,
+                   SYNCWATCH_SKEW_EVERY="20", SYNCWATCH_SKEW_SECONDS="0.5")
+    finish(procs, tmp_path, job)
+    m = scrape_until(daemon, lambda m: m.value("syncwatch_barrier_skew_seconds_count",
+                                               train_job=job) == steps)
+    assert m.value("syncwatch_barrier_skew_seconds_count", train_job=job) == steps
+    assert sum(m.by_rank("syncwatch_last_arrivals_total", train_job=job).values()) >= steps
+
+
 @pytest.mark.parametrize("wrap", ["fully_shard", "fsdp"])
 def test_fsdp_straggler_is_named_through_its_wrapped_collectives(daemon, sock_path, tmp_path, wrap):
     """FSDP (``fully_shard`` and ``FullyShardedDataParallel``) with the explicit API: nothing is

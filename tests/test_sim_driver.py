@@ -116,16 +116,21 @@ def test_fast_run_delivers_every_record_and_exact_totals(receivers):
     assert {rec.step_seconds for rec in wire} == {st.step_seconds}
 
 
-def test_slack_arrives_window_by_window(receivers):
-    """Between exchanges the slack counters stand still, as in the real exchange (K = 50)."""
+@pytest.mark.parametrize("seconds,expected", [(0.0, [50, 100, 120]),
+                                              (12.0, [50, 60, 70, 80, 90, 100, 110, 120])])
+def test_slack_arrives_window_by_window(receivers, seconds, expected):
+    """Between exchanges the slack counters stand still, as in the real exchange (K = 50). With a
+    target of 12 s between exchanges, the windows after the first are the steps of 12 s (the
+    healthy cluster's median step takes ~1.17 s: 10 steps)."""
     rx = receivers(1)
     truth = run_scenario("healthy", nodes=1, ranks_per_node=4, steps=120,
-                         sockets=[rx[0].path], start_wall=START, exchange_every=50)
+                         sockets=[rx[0].path], start_wall=START, exchange_every=50,
+                         exchange_seconds=seconds)
     rx[0].wait_for(truth.records_sent)
     rank1 = [rec for rec in by_kind(rx, StepRecord) if rec.identity.rank == 1]
     seen = [rec.totals.slack_seconds for rec in rank1]
     changes = [r.step for r, prev in zip(rank1[1:], seen) if r.totals.slack_seconds != prev]
-    assert changes == [50, 100, 120]
+    assert changes == expected
 
 
 def test_restarts_change_attempt_pid_and_step_numbers(receivers):

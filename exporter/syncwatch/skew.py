@@ -6,8 +6,11 @@ idled because others were later, ``skew(s) = max_j wait_j(s) - min_j wait_j(s)``
 arrival is the rank whose wait equals the minimum.
 
 Every K steps each rank all-reduces its last K waits twice (MIN and MAX of a K-vector): O(K) bytes
-whatever the world size. ``derive`` turns the result into what the rank reports. The real
-exchange (``syncwatch.instrument``) and the simulator share this function.
+whatever the world size. ``derive`` turns the result into what the rank reports. Where K steps take
+longer than ``EXCHANGE_SECONDS``, the windows after the first are shorter (``window_size``): results
+arriving every 50 steps of 10 s, 8 minutes apart, left the 5- and 10-minute rates of the rules
+without a single window in many of their ranges, and the alerts built on them never held for their
+``for:``. The real exchange (``syncwatch.instrument``) and the simulator share both functions.
 """
 
 from __future__ import annotations
@@ -17,12 +20,24 @@ from dataclasses import dataclass, field
 
 from .protocol import SKEW_BUCKETS, SkewHistogram
 
+EXCHANGE_SECONDS = 30.0  # the most time one window should take, where K steps take longer
+
 
 @dataclass(frozen=True, slots=True)
 class WindowResult:
     slack_seconds: float      # sum of this rank's slack over the window
     last_arrivals: int        # steps of the window in which this rank arrived last
     skews: tuple[float, ...]  # per-step skew (max - min wait), meaningful on every rank
+    step_seconds: float = 0.0  # the window's median step time, the slowest rank's (MAX)
+
+
+def window_size(step_seconds: float, most: int, seconds: float = EXCHANGE_SECONDS) -> int:
+    """The size of the windows after the first: the steps that take ``seconds`` at the first
+    window's ``step_seconds`` (its median, all-reduced MAX: the same on every rank, so every rank
+    cuts the same windows), at most ``most`` (K) and at least 1. ``seconds`` <= 0: K."""
+    if seconds <= 0 or not step_seconds > 0:
+        return most
+    return max(1, min(most, int(seconds // step_seconds)))
 
 
 def derive(my_waits, mins, maxs) -> WindowResult:

@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 
+from ..skew import EXCHANGE_SECONDS
 from . import _state
 from .hooks import Handle, ddp_hook_wrapper
 from .monitor import Monitor
@@ -66,28 +67,31 @@ def _env_number(name: str, conv, default):
 
 
 def init(*, job: str | None = None, attempt: int | None = None, node: str | None = None,
-         exchange_every: int | None = None, heartbeat_seconds: float | None = None,
-         socket: str | None = None, udp: str | None = None, device: str | None = None,
-         sender=None, clock=None) -> Monitor | None:
+         exchange_every: int | None = None, exchange_seconds: float | None = None,
+         heartbeat_seconds: float | None = None, socket: str | None = None,
+         udp: str | None = None, device: str | None = None, sender=None,
+         clock=None) -> Monitor | None:
     """Start instrumenting this rank; returns the Monitor, or None where it stays a no-op.
 
     Call it on every rank after ``init_process_group`` (it creates the side gloo group of the
     skew exchange, a collective call). ``exchange_every``: K (default ``$SYNCWATCH_SKEW_EVERY``
-    or 50; 0 = off). ``device``: "cpu" (monotonic clock) or "cuda" (CUDA events); default: cuda
+    or 50; 0 = off). ``exchange_seconds``: where K steps take longer, the windows after the
+    first are as many steps as take this long (default ``$SYNCWATCH_SKEW_SECONDS`` or 30; 0 =
+    always K). ``device``: "cpu" (monotonic clock) or "cuda" (CUDA events); default: cuda
     when the default group's backend is NCCL. Never raises.
     """
     if _state.monitor is not None:
         return _state.monitor
     try:
-        return _init(job, attempt, node, exchange_every, heartbeat_seconds, socket, udp, device,
-                     sender, clock)
+        return _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_seconds,
+                     socket, udp, device, sender, clock)
     except Exception:
         log.warning("syncwatch: instrumentation not started", exc_info=True)
         return None
 
 
-def _init(job, attempt, node, exchange_every, heartbeat_seconds, socket, udp, device, sender,
-          clock):
+def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_seconds, socket, udp,
+          device, sender, clock):
     try:
         import torch
         import torch.distributed as dist
@@ -115,6 +119,8 @@ def _init(job, attempt, node, exchange_every, heartbeat_seconds, socket, udp, de
         clock = CudaEventClock(device=gpu) if device == "cuda" else HostClock()
     if exchange_every is None:
         exchange_every = _env_number("SYNCWATCH_SKEW_EVERY", int, DEFAULT_EXCHANGE_EVERY)
+    if exchange_seconds is None:
+        exchange_seconds = _env_number("SYNCWATCH_SKEW_SECONDS", float, EXCHANGE_SECONDS)
     if heartbeat_seconds is None:
         heartbeat_seconds = _env_number("SYNCWATCH_HEARTBEAT", float, DEFAULT_HEARTBEAT_SECONDS)
     exchange = None
@@ -125,7 +131,7 @@ def _init(job, attempt, node, exchange_every, heartbeat_seconds, socket, udp, de
                                 lambda waits: torch.tensor(waits, dtype=torch.float64))
     monitor = Monitor(ident, sender or Sender(path=socket, udp=udp), clock=clock,
                       exchange=exchange, exchange_every=exchange_every,
-                      heartbeat_seconds=heartbeat_seconds)
+                      exchange_seconds=exchange_seconds, heartbeat_seconds=heartbeat_seconds)
     _state.set_monitor(monitor)
     _guard_destroy(dist)
     atexit.register(_at_exit)

@@ -1,8 +1,10 @@
 """The exact per-step skew exchange (DESIGN.md, "Exact per-step skew without clock sync").
 
 Every K steps each rank hands its last K waits to a background thread, which all-reduces them
-twice on a side gloo process group, once with MIN and once with MAX: 2 x 8K bytes of payload per
-rank per window whatever the world size (K = 50: 800 bytes, two messages). The training thread
+twice on a side gloo process group, once with MIN and once with MAX: 2 x 8(K + 1) bytes of payload
+per rank per window whatever the world size (K = 50: 816 bytes, two messages). The one more
+element is the window's median step time, whose MAX sizes the windows after the first
+(``skew.window_size``). The training thread
 only puts a list on a queue (~0.2 us) and, at a later step end, picks up finished results from a
 deque; the exchange's latency never lands on a step.
 
@@ -13,6 +15,7 @@ so the side group's collectives match. A hung or departed peer blocks only this 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -43,25 +46,28 @@ class SkewExchange:
     def in_flight(self) -> bool:
         return self.windows_done < self._submitted
 
-    def submit(self, waits: list[float]) -> None:
-        """Hand over one window of this rank's waits (training thread; cheap)."""
+    def submit(self, waits: list[float], step_seconds: float = 0.0) -> None:
+        """Hand over one window of this rank's waits and its median step time (cheap)."""
         self._submitted += 1
-        self._inbox.put(waits)
+        self._inbox.put((waits, step_seconds))
 
     def _run(self) -> None:
         while True:
-            waits = self._inbox.get()
-            if waits is None:
+            item = self._inbox.get()
+            if item is None:
                 return
+            waits, step_seconds = item
             t0 = time.perf_counter()
             try:
-                lo = self._tensor(waits)
-                hi = self._tensor(waits)
+                lo = self._tensor([*waits, step_seconds])
+                hi = self._tensor([*waits, step_seconds])
                 w1 = self._all_reduce(lo, op=self._min, group=self._group, async_op=True)
                 w2 = self._all_reduce(hi, op=self._max, group=self._group, async_op=True)
                 w1.wait()
                 w2.wait()
-                self.results.append(derive(waits, lo.tolist(), hi.tolist()))
+                mins, maxs = lo.tolist(), hi.tolist()
+                self.results.append(dataclasses.replace(
+                    derive(waits, mins[:-1], maxs[:-1]), step_seconds=maxs[-1]))
             except Exception as e:  # peer gone, group destroyed: stop exchanging, keep training
                 if not self.failed:
                     log.warning("syncwatch: skew exchange stopped: %s", e)

@@ -27,11 +27,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import statistics
 import threading
 import time
 
 from ..protocol import MAX_STEP, MAX_TOTAL, PHASE_INDEX, Cumulative, Encoder, Identity
-from ..skew import SkewAccumulator
+from ..skew import EXCHANGE_SECONDS, SkewAccumulator, window_size
 from .clock import HostClock
 from .notes import Notes
 
@@ -66,7 +67,8 @@ _SEQ_ENTRY = (SEQ,)
 
 class Monitor:
     def __init__(self, identity: Identity, sender, *, clock=None, exchange=None,
-                 exchange_every: int = 50, heartbeat_seconds: float = 5.0,
+                 exchange_every: int = 50, exchange_seconds: float = EXCHANGE_SECONDS,
+                 heartbeat_seconds: float = 5.0,
                  flush_seconds: float = FLUSH_SECONDS):
         self.identity = identity
         self.encoder = Encoder(identity)
@@ -77,6 +79,7 @@ class Monitor:
         self._durations = self._durations_events if self._lazy else self._durations_host
         self.exchange = exchange
         self.exchange_every = exchange_every if exchange is not None else 0
+        self.exchange_seconds = exchange_seconds
         self.totals = Cumulative(phase_seconds=[0.0] * _NPH)
         self._skew = SkewAccumulator() if identity.rank == 0 and exchange is not None else None
         self._skew_snapshot = None
@@ -111,7 +114,10 @@ class Monitor:
         self._step_start = self.clock.mark()  # the first step's: moved to its first phase
         self._begun = False      # a phase began or a step ended: the first step has its start
         self._pending: collections.deque = collections.deque()  # lazily timed steps
-        self._window: list[float] = []
+        self._window: list[float] = []        # waits not yet exchanged
+        self._window_steps: list[float] = []  # and their step times
+        self._k = self.exchange_every  # the next window's size; 0 until the first one's result
+        self._sized = False            # the first result has sized the windows after it
         self._last = None  # the last step record's own values (_emit), for shutdown's re-send
         # progress, read by the heartbeat
         self.collective_sequence = 0
@@ -382,11 +388,10 @@ class Monitor:
         t.samples += samples
         t.tokens += tokens
         if self.exchange_every:
-            self._window.append(wait)
-            if len(self._window) >= self.exchange_every:
-                self.exchange.submit(self._window)
-                self._window = []
             self._take_results()
+            self._window.append(wait)
+            self._window_steps.append(step_s)
+            self._cut_windows()
         self._last = (number, wall, step_s, wait, phases, seq, samples, tokens, encoder)
         self._send_step()
 
@@ -400,6 +405,19 @@ class Monitor:
             number, wall, step_s, wait, phases, seq, samples, tokens, t, exact=self._exact,
             has_tokens=self._has_tokens, skew=self._skew_snapshot))
 
+    def _cut_windows(self) -> None:
+        """Submit the full windows: the first of K steps, the next ones of the size its result
+        gives (``skew.window_size``; until it is back, the waits wait)."""
+        if self.exchange.failed:  # no result will come: stop collecting
+            self.exchange_every, self._window, self._window_steps = 0, [], []
+            return
+        while self._k and len(self._window) >= self._k:
+            k = self._k
+            self.exchange.submit(self._window[:k], statistics.median(self._window_steps[:k]))
+            del self._window[:k], self._window_steps[:k]
+            if not self._sized:
+                self._k = 0
+
     def _take_results(self) -> None:
         results = self.exchange.results
         if not results:
@@ -407,6 +425,9 @@ class Monitor:
         t = self.totals
         while results:
             r = results.popleft()
+            if not self._sized:
+                self._sized = True
+                self._k = window_size(r.step_seconds, self.exchange_every, self.exchange_seconds)
             t.slack_seconds += r.slack_seconds
             t.last_arrivals += r.last_arrivals
             if self._skew is not None:

@@ -23,6 +23,7 @@ import sys
 
 from ..cli import add_flag
 from ..sender import DEFAULT_SOCKET
+from ..skew import EXCHANGE_SECONDS
 from . import DEFAULT_EXCHANGE_EVERY, DEFAULT_HEARTBEAT_SECONDS
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
@@ -31,7 +32,8 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 # flag -> environment variable the ranks read
 _ENV = {"socket": "SYNCWATCH_SOCKET", "udp": "SYNCWATCH_UDP", "job": "SYNCWATCH_JOB",
-        "skew_every": "SYNCWATCH_SKEW_EVERY", "heartbeat": "SYNCWATCH_HEARTBEAT"}
+        "skew_every": "SYNCWATCH_SKEW_EVERY", "skew_seconds": "SYNCWATCH_SKEW_SECONDS",
+        "heartbeat": "SYNCWATCH_HEARTBEAT"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--job", default=None, help="train_job label (default: launcher's job id)")
     add_flag(parser, "--skew-every", type=int, default=None,
              help=f"exact skew exchange every K steps (0 = off; default {DEFAULT_EXCHANGE_EVERY})")
+    add_flag(parser, "--skew-seconds", type=float, default=None,
+             help=f"where K steps take longer, exchange every this many seconds' steps instead "
+                  f"(0 = always K; default {EXCHANGE_SECONDS:g})")
     add_flag(parser, "--heartbeat", type=float, default=None,
              help=f"heartbeat interval, seconds (default {DEFAULT_HEARTBEAT_SECONDS:g})")
     parser.add_argument("command", nargs=argparse.REMAINDER,

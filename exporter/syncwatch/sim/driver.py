@@ -5,7 +5,8 @@ node's daemon. What each rank sends is what ``syncwatch.instrument`` sends: one 
 step with the step's values and the rank's cumulative counters, heartbeats every
 ``heartbeat_every`` seconds (phase and time in it), an end record when the run completes. The
 exact skew exchange runs every ``exchange_every`` steps with ``skew.derive`` on the MIN/MAX of the
-ranks' waits over the window, exactly as the real exchange does; global rank 0 carries the
+ranks' waits over the window, exactly as the real exchange does (with its windows after the first
+sized by ``skew.window_size`` for ``exchange_seconds``); global rank 0 carries the
 ``SkewAccumulator`` histogram. The exchange of the window that a run's last step completes runs
 before that step's records go out, so a finished run reports every step's slack; a crash (restart)
 loses the partial window, as a real crash does.
@@ -21,6 +22,7 @@ simulated time x ``time_scale`` and stamps records with the real wall clock (the
 from __future__ import annotations
 
 import collections
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 
 from ..protocol import PHASES, Cumulative, Encoder, Identity
 from ..sender import Sender
-from ..skew import SkewAccumulator, derive
+from ..skew import EXCHANGE_SECONDS, SkewAccumulator, derive, window_size
 from .model import I_CKPT, Model, Params, Restart, StepTruth, lag1_autocorrelation, step_cv
 
 N_PHASES = len(PHASES)
@@ -139,7 +141,8 @@ class Driver:
 
     def __init__(self, params: Params, seed: int = 0, *, targets: list[dict] | None = None,
                  job: str = "sim", fast: bool = True, time_scale: float = 1.0,
-                 exchange_every: int = 50, heartbeat_every: float = 5.0,
+                 exchange_every: int = 50, exchange_seconds: float = EXCHANGE_SECONDS,
+                 heartbeat_every: float = 5.0,
                  start_wall: float | None = None, keep_steps: bool = True, send_end: bool = True,
                  node_prefix: str = "sim-node-", retry_seconds: float = 30.0):
         if targets is not None and len(targets) != params.nodes:
@@ -152,7 +155,10 @@ class Driver:
         self.job = job
         self.fast = fast
         self.time_scale = time_scale
-        self.K = exchange_every
+        self.exchange_every = exchange_every
+        self.exchange_seconds = exchange_seconds
+        self.K = exchange_every  # the next window's size, set again by each attempt's first
+        self._sized = False
         self.heartbeat_every = heartbeat_every
         self.start_wall = time.time() if start_wall is None else start_wall
         self.keep_steps = keep_steps
@@ -190,6 +196,7 @@ class Driver:
             target = self.targets[n] if self.targets is not None else None
             self.ranks.append(_Rank(ident, target, self.retry_seconds))
         self._window_steps = []
+        self.K, self._sized = self.exchange_every, False  # new processes: K, then sized again
         self.truth.skew_histogram = SkewAccumulator()
         self.truth.reported = [r.totals() for r in self.ranks]
         self.truth.attempt = attempt
@@ -324,6 +331,10 @@ class Driver:
                 for k in res.skews:
                     self.truth.skew_histogram.observe(k)
         self._window_steps = []
+        if not self._sized:
+            self._sized = True
+            self.K = window_size(statistics.median(s.step_seconds for s in window),
+                                 self.exchange_every, self.exchange_seconds)
 
     def _finish(self, completed: bool) -> None:
         t = self.truth
