@@ -20,6 +20,34 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_unprivileged(work):
+    """Run ``work()`` in a forked child that dropped root (root ignores file modes) to uid and
+    gid 65534 (nobody) and return what it returned (JSON round trip)."""
+    import json
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            out = work()
+            with os.fdopen(w, "w") as f:
+                json.dump(out, f)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, data
+    return json.loads(data)
+
+
 @pytest.fixture
 def sock_path(tmp_path):
     """A fresh Unix datagram socket path (short: AF_UNIX paths are limited to 107 bytes)."""

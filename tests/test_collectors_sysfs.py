@@ -4,7 +4,6 @@ SYNCWATCH_UPDATE_GOLDEN=1."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -14,6 +13,7 @@ import time
 import pytest
 
 from collector_helpers import FIXTURES, GOLDEN, check_golden, promtool_check, registry_of, render
+from conftest import run_unprivileged
 from syncwatch.collectors import NoData
 from syncwatch.collectors.infiniband import InfinibandCollector, parse_rate
 from syncwatch.collectors.net import NetCollector
@@ -150,27 +150,11 @@ def test_fifo_in_place_of_counters_never_blocks(tree):
 
 
 def _collect_unprivileged(root: str) -> tuple[str, list[str]]:
-    """Run the collectors in a forked child that dropped root (root ignores file modes)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never returns into pytest
-        code = 1
-        try:
-            os.close(r)
-            os.setgid(65534)
-            os.setuid(65534)
-            families, errors = collect(root)
-            with os.fdopen(w, "w") as f:
-                json.dump({"text": render(families), "errors": errors}, f)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r) as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, data
-    out = json.loads(data)
+    """Run the collectors in a child without root's rights (root ignores file modes)."""
+    def work():
+        families, errors = collect(root)
+        return {"text": render(families), "errors": errors}
+    out = run_unprivileged(work)
     return out["text"], out["errors"]
 
 

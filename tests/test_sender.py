@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 
+from conftest import run_unprivileged
 from daemon_helpers import RankSim, healthz, identity, scrape, value, wait_for, wait_records
 
 from syncwatch.daemon import DaemonConfig, DaemonThread
@@ -115,37 +115,19 @@ def test_eagain_burst_is_retried_and_delivered_after_reader_resumes(sock_path):
 
 
 def _send_unprivileged(path: str, records: list[bytes]) -> dict:
-    """Send ``records`` through a fresh Sender in a forked child that dropped root (root ignores
+    """Send ``records`` through a fresh Sender in a child without root's rights (root ignores
     file modes) and report its counts and what it logged."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never returns into pytest
-        code = 1
-        try:
-            os.close(r)
-            logged = []
-            handler = logging.Handler()
-            handler.emit = lambda record: logged.append(record.getMessage())
-            logging.getLogger("syncwatch.sender").addHandler(handler)
-            if os.geteuid() == 0:
-                os.setgroups([])
-                os.setgid(65534)
-                os.setuid(65534)
-            s = Sender(path)
-            for data in records:
-                s.send(data)
-                s._next_connect = 0.0  # no backoff: every send tries to connect again
-            with os.fdopen(w, "w") as f:
-                json.dump({"sent": s.sent, "dropped": s.dropped, "logged": logged}, f)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r) as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, data
-    return json.loads(data)
+    def work():
+        logged = []
+        handler = logging.Handler()
+        handler.emit = lambda record: logged.append(record.getMessage())
+        logging.getLogger("syncwatch.sender").addHandler(handler)
+        s = Sender(path)
+        for data in records:
+            s.send(data)
+            s._next_connect = 0.0  # no backoff: every send tries to connect again
+        return {"sent": s.sent, "dropped": s.dropped, "logged": logged}
+    return run_unprivileged(work)
 
 
 def test_no_permission_on_the_socket_is_said_once(sock_path):
