@@ -624,6 +624,12 @@ def test_cuda_events_are_resolved_lazily_without_synchronize(rx):
     m.shutdown()                              # resolves the rest by polling, never synchronize
     assert wait_for(lambda: len(rx.of(StepRecord)) == 23)
     assert [r.step for r in rx.of(StepRecord)] == list(range(1, 24))
+    # every recycled event served one mark at a time: the first step starts at its first
+    # phase's event, which is released once, not once as each
+    assert [phase(r, "forward") for r in rx.of(StepRecord)[3:]] == [pytest.approx(0.001)] * 20
+    assert [r.step_seconds for r in rx.of(StepRecord)[3:]] == [pytest.approx(0.001)] * 20
+    pool = m.clock._pool
+    assert len({id(ev) for ev in pool}) == len(pool)
 
 
 def test_the_records_thread_binds_the_ranks_device_before_reading_events(rx):

@@ -338,7 +338,9 @@ class Monitor:
 
     def _release(self, rec) -> None:
         release = self.clock.release
-        release(rec[2])  # the previous step's end mark, no longer needed by anyone
+        start = rec[2]  # the previous step's end mark, no longer needed by anyone; the first
+        if not any(span[1] is start for span in rec[4]):  # step's is its first phase's start
+            release(start)
         for span in rec[4]:
             release(span[1])
             release(span[2])
