@@ -43,7 +43,8 @@ def build() -> db.Dashboard:
         .with_panel(
             panel(stat.Panel(), "Efficiency against baseline",
                   "Per-GPU throughput now divided by its trailing baseline. 100 % = each GPU still "
-                  "produces what it did; below 90 % the job pays for GPUs that wait.",
+                  "produces what it did; below 90 % (orange) the job pays for GPUs that wait, "
+                  "below 80 % (red) for 30 m SyncwatchEfficiencyDrift warns.",
                   query(f'train_job:syncwatch_efficiency:ratio_to_baseline{{{JOB}}}', "{{train_job}}"),
                   unit="percentunit", w=6)
             .thresholds(thresholds((None, "red"), (0.8, "orange"), (0.9, "green"))))
