@@ -1,10 +1,15 @@
 """``syncwatch demo`` as a user runs it: a child process with real daemons, scraped while it runs."""
 
+import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
+
+import pytest
 
 from conftest import subprocess_env
 
@@ -80,3 +85,33 @@ def test_demo_reports_a_taken_port_clearly():
                              capture_output=True, text=True, env=subprocess_env(), timeout=30)
     assert out.returncode == 2
     assert f"127.0.0.1:{port}" in out.stderr and "--base-port" in out.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_demo_stops_cleanly_on_a_stop_signal(sig):
+    """``syncwatch demo &`` is stopped with ``kill`` (SIGTERM), a closed terminal sends SIGHUP:
+    both must stop it as Ctrl-C does, with the daemons stopped and the socket directory removed."""
+    cmd = [sys.executable, "-m", "syncwatch", "demo", "--nodes", "2", "--ranks-per-node", "2",
+           "--base-port", "0", "--step-time", "0.05", "--no-hardware"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env())
+    try:
+        head = ""
+        while "Ctrl-C stops." not in head:
+            line = proc.stdout.readline()
+            assert line, f"demo exited early: {proc.stderr.read()}"
+            head += line
+        sock_dir = os.path.dirname(re.search(r"\(ingest (\S+\.sock)\)", head).group(1))
+        assert os.path.basename(sock_dir).startswith("syncwatch-demo-")
+        assert sorted(os.listdir(sock_dir)) == ["node00.sock", "node01.sock"]
+        time.sleep(1.0)  # some steps, so the closing summary has figures
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    left = os.path.exists(sock_dir)
+    shutil.rmtree(sock_dir, ignore_errors=True)  # do not litter /tmp when it fails
+    assert not left, f"{sock_dir} left behind"
+    assert "steps/s" in out  # the closing summary: it went through the clean stop

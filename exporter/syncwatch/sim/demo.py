@@ -3,8 +3,10 @@
 Starts one in-process daemon per node on ``--listen-host`` ports ``--base-port``, +1, ... (0 = any
 free port), each with its own ingest socket in ``--socket-dir`` (a temporary directory by
 default), runs the chosen scenario in real time, prints where to scrape and a summary line every
-``--summary-every`` seconds until Ctrl-C or ``--duration``. ``--scenario scaling`` prints the
-model's step-CV-vs-nodes sweep beside the seed paper's table instead (no daemons).
+``--summary-every`` seconds until Ctrl-C, SIGTERM or SIGHUP (``kill``, a closed terminal), or
+``--duration``; each stops the daemons and removes the temporary socket directory.
+``--scenario scaling`` prints the model's step-CV-vs-nodes sweep beside the seed paper's table
+instead (no daemons).
 With ``--hardware`` (the default) every node's daemon also runs the real GPU, NIC and InfiniBand
 collectors over that node's simulated hardware (``sim.hardware``): GPU temperature, clocks,
 throttling and energy, and fabric traffic and congestion counters that follow the scenario.
@@ -15,10 +17,13 @@ that ingest socket, as training containers do (``docker compose --profile demo u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 from ..cli import add_flag
@@ -50,7 +55,8 @@ def register(subparsers) -> None:
     _flag(p, "--send-to", default="",
           help="send every rank's records to this running daemon's ingest socket instead of "
                "starting daemons (empty = start one daemon per node)")
-    _flag(p, "--duration", type=float, default=0.0, help="seconds to run (0 = until Ctrl-C)")
+    _flag(p, "--duration", type=float, default=0.0,
+          help="seconds to run (0 = until Ctrl-C, SIGTERM or SIGHUP)")
     _flag(p, "--step-time", type=float, default=0.5, help="mean compute time of one step, seconds")
     _flag(p, "--seed", type=int, default=0, help="random seed of the simulation")
     _flag(p, "--job", default="", help="train_job label (empty = sim-SCENARIO)")
@@ -78,6 +84,36 @@ def summary(truth: GroundTruth, elapsed: float, window: int = 100) -> str:
             f"{count / n:.0%} of the last {n} steps")
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupt(signum, frame) -> None:
+    # once: a second SIGTERM (a supervisor's retry) must not cut the clean-up short
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _stop_signals_interrupt():
+    """Make SIGTERM and SIGHUP stop the demo as Ctrl-C does.
+
+    Their default action kills the process without running ``finally``: the daemons' sockets and
+    the temporary socket directory stayed behind. A demo started in the background
+    (``syncwatch demo &``) is stopped with ``kill``, and a non-interactive shell starts it with
+    SIGINT ignored, so Ctrl-C cannot reach it at all. Only the main thread may set handlers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _interrupt) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(args) -> int:
     if args.scenario == "scaling":
         print("Step-time CV against cluster size (model only, 8 ranks per node unless "
@@ -88,6 +124,11 @@ def main(args) -> int:
         print("syncwatch demo: --nodes, --ranks-per-node and --step-time must be positive",
               file=sys.stderr)
         return 2
+    with _stop_signals_interrupt():
+        return _run(args)
+
+
+def _run(args) -> int:
     from ..daemon.app import DaemonThread
     from ..daemon.config import DaemonConfig
 
