@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -85,6 +86,31 @@ def test_socket_unit_matches_the_daemon():
     assert "syncwatch.socket" in service["Unit"]["Requires"][0]
     assert service["Service"]["DynamicUser"] == ["yes"]
     assert service["Service"]["CapabilityBoundingSet"] == [""]
+
+
+def test_socket_unit_sets_no_receive_buffer_because_none_lengthens_the_queue(tmp_path):
+    """A Unix datagram socket holds max_dgram_qlen + 1 datagrams whatever its SO_RCVBUF, so a
+    ReceiveBuffer= in the unit made no room for bursts (its comment said it did). Measured here
+    on a socket with the 4 MiB buffer the unit used to ask for: if a kernel ever bounds the queue
+    by bytes instead, this fails and the unit's comment must change."""
+    unit = parse_unit(SYSTEMD / "syncwatch.socket")["Socket"]
+    assert not any(k.startswith("ReceiveBuffer") for k in unit)
+    qlen = int(open("/proc/sys/net/unix/max_dgram_qlen").read())
+    queued = {}
+    for rcvbuf in (4096, 4 << 20):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as rx, \
+                socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as tx:
+            rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            rx.bind(str(tmp_path / f"rx-{rcvbuf}.sock"))
+            tx.setblocking(False)
+            tx.connect(str(tmp_path / f"rx-{rcvbuf}.sock"))
+            n = 0
+            with pytest.raises(BlockingIOError):
+                while n < 10_000:
+                    tx.send(b"r" * 200)  # a step record's size
+                    n += 1
+            queued[rcvbuf] = n
+    assert queued == {4096: qlen + 1, 4 << 20: qlen + 1}
 
 
 def daemon_args_under_systemd(monkeypatch, env_file: dict[str, str]):
