@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -84,6 +86,59 @@ def test_a_prometheus_that_cannot_start_raises_with_its_log(tmp_path):
     assert "soon" in str(err.value) or "parse" in str(err.value).lower()
     assert "(it exited with code " in str(err.value)  # it failed at once, not "within 10s"
     bad.stop()
+
+
+def test_a_port_held_by_something_not_http_is_reported_without_a_traceback():
+    """--prometheus-port taken by a server that answers in another protocol: the readiness probe
+    got http.client.BadStatusLine, which it did not catch, and the command died with a traceback
+    (leaving Prometheus to exit on its own). Now Prometheus' own bind error is reported."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def speak_ssh():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed: the test is over
+                return
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+    threading.Thread(target=speak_ssh, daemon=True).start()
+    try:
+        r = subprocess.run([sys.executable, "-m", "syncwatch", "stack", "up", "--no-alertmanager",
+                            "--prometheus-port", str(port), "--targets", "127.0.0.1:1"],
+                           capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=60)
+    finally:
+        server.close()
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("syncwatch stack up: prometheus did not start (it exited with code")
+    assert "address already in use" in r.stderr
+
+
+def test_an_interrupted_start_stops_the_server(monkeypatch):
+    """Ctrl-C while Prometheus starts: it runs in its own session (the terminal's SIGINT does not
+    reach it) and the caller did not hold it yet, so start() must stop it."""
+    pids = []
+
+    def interrupted(self):
+        pids.append(self.proc.pid)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Prometheus, "_ready", interrupted)
+    prom = Prometheus([])
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            prom.start(timeout=10)
+        assert prom.proc is None
+        with pytest.raises(ProcessLookupError):
+            os.kill(pids[0], 0)
+    finally:
+        if prom.proc is not None:
+            prom.proc.kill()
+        prom.stop()
 
 
 @pytest.mark.parametrize("flag,value,says", [

@@ -14,6 +14,7 @@ process and removes the directory. Queries go through the HTTP API with ``syncwa
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import math
 import re
@@ -119,10 +120,16 @@ class _Server:
                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              start_new_session=True)
             deadline = time.monotonic() + timeout
-            while self.proc.poll() is None and time.monotonic() < deadline:
-                if self._ready():
-                    return self
-                time.sleep(0.2)
+            try:
+                while self.proc.poll() is None and time.monotonic() < deadline:
+                    if self._ready():
+                        return self
+                    time.sleep(0.2)
+            except BaseException:
+                # Ctrl-C while it starts: the caller does not hold it yet, and in its own session
+                # it would outlive us
+                self._kill()
+                raise
             code = self.proc.poll()
             self._kill()
             if code is None or port or attempt == 2:  # only an early exit on a picked port is retried
@@ -132,10 +139,12 @@ class _Server:
         raise AssertionError("unreachable")
 
     def _ready(self) -> bool:
+        # HTTPException: something else that is not HTTP holds the port (as when a taken
+        # --prometheus-port makes our server exit); wait for that exit and report it
         try:
             http_get(self.url + self.ready_path, timeout=2)
             return True
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
             return False
 
     def log_tail(self, n: int = 30) -> str:
