@@ -708,6 +708,15 @@ def test_identity_from_torchrun_slurm_and_kubernetes():
     i.encode()  # valid for the protocol
 
 
+def test_torchruns_placeholder_run_id_names_no_job():
+    # torchrun exports TORCHELASTIC_RUN_ID=none for a multi-node job launched without --rdzv-id
+    # (or with --master-port): every such job was labelled "none", and hid Slurm's job id
+    assert ident_mod.job_from_env({"TORCHELASTIC_RUN_ID": "none"}) is None
+    assert ident_mod.job_from_env({"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "4242"}) == "4242"
+    assert ident_mod.resolve(env={"TORCHELASTIC_RUN_ID": "none"}).train_job.startswith("job-")
+    assert ident_mod.job_from_env({"TORCHELASTIC_RUN_ID": "nonesuch"}) == "nonesuch"
+
+
 def test_api_is_a_noop_without_torch_distributed():
     code = ("import sys, syncwatch.instrument as sw\n"
             "assert 'torch' not in sys.modules and 'prometheus_client' not in sys.modules\n"

@@ -6,9 +6,9 @@
 # syncwatch records with the Slurm job:
 #
 #   SYNCWATCH_JOB     train_job label = SLURM_JOB_ID. The instrumentation falls back to
-#                     SLURM_JOB_ID on its own, but only after TORCHELASTIC_RUN_ID, which torchrun
-#                     sets to "none" unless --rdzv-id is given: without this line every torchrun
-#                     job on the cluster would share the label "none".
+#                     SLURM_JOB_ID on its own, but only after TORCHELASTIC_RUN_ID, torchrun's
+#                     rendezvous id (--rdzv-id, or one --standalone generates): with this line
+#                     the Slurm job id is the label whatever the launcher.
 #   SYNCWATCH_SOCKET  the node daemon's ingest socket (syncwatch.socket).
 #
 # A value the user already set (in the batch script or with --export) is kept. Prints nothing

@@ -36,11 +36,20 @@ def _env_int(env, *names: str, default: int | None = None) -> int | None:
     return default
 
 
+# torchrun's ``--rdzv-id`` default, exported as TORCHELASTIC_RUN_ID where torchrun generates no id
+# (it does for ``--standalone`` and single-node runs without ``--master-port``): every multi-node
+# job launched without ``--rdzv-id`` has it, so it names no job
+TORCHRUN_NO_ID = "none"
+
+
 def job_from_env(env=None) -> str | None:
+    """The launcher's job id: ``SYNCWATCH_JOB``, ``TORCHELASTIC_RUN_ID`` (unless torchrun's
+    placeholder ``none``), ``SLURM_JOB_ID``; None where there is none."""
     env = os.environ if env is None else env
     for name in ("SYNCWATCH_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
-        if env.get(name):
-            return sanitize(env[name], "job")
+        value = env.get(name)
+        if value and not (name == "TORCHELASTIC_RUN_ID" and value == TORCHRUN_NO_ID):
+            return sanitize(value, "job")
     return None
 
 
