@@ -1046,8 +1046,8 @@ def test_register_takes_an_fsdp_model_as_its_wrapped_collectives(rx, ddp_world1,
         assert m.errors == 0 and not caplog.text
         sw.register(models[0], collectives=False)
         assert m.errors == 0 and "none of them is measured" in caplog.text
-        sw.register(models[1], hook=lambda state, bucket: None)  # a DDP comm hook: refused
-        assert m.errors == 1 and "not FSDP's" in caplog.text
+        sw.register(models[1], hook=lambda state, bucket: None).remove()  # a DDP comm hook:
+        assert m.errors == 1 and "not FSDP's" in caplog.text                # refused
     finally:
         _state.set_monitor(None)
         m.shutdown()
@@ -1064,6 +1064,52 @@ def test_register_refuses_a_model_that_is_not_ddp(rx, caplog):
         sw.register(model, collectives=False)
         assert not model.weight._post_accumulate_grad_hooks
         assert m.errors == 1 and "could not register" in caplog.text
+    finally:
+        _state.set_monitor(None)
+        m.shutdown()
+
+
+def test_register_watches_the_ddp_model_inside_torch_compile(rx, ddp_world1, caplog):
+    """``torch.compile(DDP(model))``, the order torch recommends, is an ``OptimizedModule``: it
+    was refused as "not DDP", so the job had no gradient wait, and, the error raised before the
+    collectives were wrapped, none of those either."""
+    torch = ddp_world1
+    import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
+    m = make_monitor(rx)
+    _state.set_monitor(m)
+    handle = None
+    try:
+        ddp = make_ddp(torch)
+        net = torch.compile(ddp, backend="aot_eager")
+        handle = sw.register(net)
+        assert ddp.module[0].weight._post_accumulate_grad_hooks
+        assert torch.distributed.all_reduce._syncwatch_original
+        x = torch.randn(4, 8)
+        for _ in range(2):
+            train_step(m, net, torch, x)
+        r1, r2 = steps(rx, 2)
+        assert r2.wait_seconds > 0 and r2.wait_seconds == phase(r2, "sync")
+        assert r2.collective_sequence == 2 and m.errors == 0 and "syncwatch" not in caplog.text
+    finally:
+        if handle is not None:
+            handle.remove()
+        _state.set_monitor(None)
+        m.shutdown()
+
+
+def test_register_wraps_the_collectives_even_where_the_model_is_refused(rx, ddp_world1, caplog):
+    torch = ddp_world1
+    import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
+    m = make_monitor(rx)
+    _state.set_monitor(m)
+    try:
+        handle = sw.register(torch.nn.Linear(2, 2))
+        assert m.errors == 1 and "could not register the model's gradient wait" in caplog.text
+        assert torch.distributed.all_reduce._syncwatch_original
+        handle.remove()
+        assert not hasattr(torch.distributed.all_reduce, "_syncwatch_original")
     finally:
         _state.set_monitor(None)
         m.shutdown()

@@ -196,17 +196,24 @@ def register(model=None, *, hook=None, state=None, collectives: bool = True) -> 
         if model is not None:
             h = hooks.register_model(model, hook, state)
             handle.add(h.remove)
-            if not collectives and hooks.is_fsdp(model):
+            if not collectives and hooks.is_fsdp(getattr(model, "_orig_mod", model)):
                 log.warning("syncwatch: an FSDP model's waits are its collectives': with "
                             "collectives=False none of them is measured")
+    except Exception:
+        _register_failed("the model's gradient wait")
+    try:  # apart: a model that could not be watched still leaves the collectives to wrap
         if collectives:
             h = hooks.patch_collectives()
             handle.add(h.remove)
     except Exception:
-        log.warning("syncwatch: could not register hooks", exc_info=True)
-        if _state.monitor is not None:
-            _state.monitor._error()
+        _register_failed("the collective wrappers")
     return handle
+
+
+def _register_failed(what: str) -> None:
+    log.warning("syncwatch: could not register %s", what, exc_info=True)
+    if _state.monitor is not None:
+        _state.monitor._error()
 
 
 def shutdown(reason: str = "completed") -> None:

@@ -181,7 +181,10 @@ def is_fsdp(model) -> bool:
 
 def register_model(model, hook=None, state=None) -> Handle:
     """Measure ``model``'s gradient wait. DDP: hook-free, or with ``hook`` through the wrapper.
-    FSDP: nothing to attach, its collectives are the wrapped ones (``patch_collectives``)."""
+    FSDP: nothing to attach, its collectives are the wrapped ones (``patch_collectives``).
+    A ``torch.compile``d model (``torch.compile(DDP(model))``, as torch recommends) is the
+    module it compiled: its parameters, gradients and DDP reducer are that module's."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
     if is_fsdp(model):
         if hook is not None:
             raise TypeError("ddp_hook_wrapper wraps DDP comm hooks, not FSDP's: register an FSDP "
