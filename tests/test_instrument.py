@@ -632,6 +632,32 @@ def test_cuda_events_are_resolved_lazily_without_synchronize(rx):
     assert len({id(ev) for ev in pool}) == len(pool)
 
 
+def test_cuda_events_of_a_first_phase_that_ends_after_the_first_step(rx):
+    """The first step starts at its first phase's start event. Where that phase ends after the
+    step (``step()`` called inside it), resolving the step gave the event back to the pool while
+    the phase still held it: later marks re-recorded it, and the steps read 0 s optimizer phases,
+    0 s steps, then an 11 ms one, with 6 ms steps and a 5 ms phase."""
+    dev = FakeStream()
+    m = make_monitor(rx, clock=CudaEventClock(lambda: FakeEvent(dev)))
+    for _ in range(6):
+        with m.phase("optimizer"):  # the step's only phase, with step() inside it
+            dev.launch(2)
+            m.step(1)
+            dev.launch(3)
+        dev.launch(1)
+        dev.run()
+        m.flush()
+    m.shutdown()
+    assert wait_for(lambda: len(rx.of(StepRecord)) == 6)
+    recs = rx.of(StepRecord)
+    assert recs[0].step_seconds == pytest.approx(0.002)  # from the first phase's start
+    assert [r.step_seconds for r in recs[1:]] == [pytest.approx(0.006)] * 5
+    # each phase ends in the next step, to which its time goes
+    assert [phase(r, "optimizer") for r in recs] == [0.0] + [pytest.approx(0.005)] * 5
+    pool = m.clock._pool
+    assert len({id(ev) for ev in pool}) == len(pool)
+
+
 def test_the_records_thread_binds_the_ranks_device_before_reading_events(rx):
     import threading
     dev = FakeStream()

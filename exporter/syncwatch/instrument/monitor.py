@@ -113,6 +113,7 @@ class Monitor:
         self._done = None        # mark when the (latest bucket's) collective was done
         self._step_start = self.clock.mark()  # the first step's: moved to its first phase
         self._begun = False      # a phase began or a step ended: the first step has its start
+        self._first_start = None  # the first step's start where it is its first phase's start
         self._pending: collections.deque = collections.deque()  # lazily timed steps
         self._window: list[float] = []        # waits not yet exchanged
         self._window_steps: list[float] = []  # and their step times
@@ -229,6 +230,7 @@ class Monitor:
         counted in, a first step of minutes among 1 s steps skewed every per-step figure."""
         self._begun = True
         old, self._step_start, self._sync = self._step_start, mark, []
+        self._first_start = mark  # also its phase's start: that phase's span gives it back
         self.clock.release(old)
 
     def _replay(self, e, host) -> None:
@@ -339,8 +341,8 @@ class Monitor:
     def _release(self, rec) -> None:
         release = self.clock.release
         start = rec[2]  # the previous step's end mark, no longer needed by anyone; the first
-        if not any(span[1] is start for span in rec[4]):  # step's is its first phase's start
-            release(start)
+        if start is not self._first_start:  # step's is its first phase's start, which that
+            release(start)  # phase's span releases, in this step or, ending later, in a later one
         for span in rec[4]:
             release(span[1])
             release(span[2])
