@@ -341,8 +341,10 @@ class Monitor:
     def _release(self, rec) -> None:
         release = self.clock.release
         start = rec[2]  # the previous step's end mark, no longer needed by anyone; the first
-        if start is not self._first_start:  # step's is its first phase's start, which that
-            release(start)  # phase's span releases, in this step or, ending later, in a later one
+        if start is self._first_start:  # step's is its first phase's start, which that phase's
+            self._first_start = None  # span releases, in this step or, ending later, a later one
+        else:
+            release(start)
         for span in rec[4]:
             release(span[1])
             release(span[2])
