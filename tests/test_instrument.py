@@ -391,6 +391,29 @@ def test_shutdown_sends_the_last_windows_exchange_results_with_the_last_step_aga
     assert [r.step for r in rx.of(StepRecord)] == [1]
 
 
+def test_shutdown_exchanges_the_windows_held_for_the_first_result(rx):
+    """A job ending before its first window's result is back: the windows held behind it are
+    sized by that result at shutdown and exchanged too (a partial window is not)."""
+    class Exchange(FakeExchange):
+        def drain(self, timeout):  # the peers' windows arrive: each submitted one finishes
+            for w in self.windows[len(self.done):]:
+                self.done.append(w)
+                self.results.append(WindowResult(0.01 * len(w), len(w), (0.0,) * len(w)))
+            return True
+    ex = Exchange()
+    ex.done = []
+    m = make_monitor(rx, exchange=ex, exchange_every=3)
+    for _ in range(7):
+        m.step(1)
+    m.flush()
+    assert [len(w) for w in ex.windows] == [3]
+    m.shutdown()
+    assert [len(w) for w in ex.windows] == [3, 3]
+    last = steps(rx, 8)[-1]
+    assert last.step == 7 and last.totals.last_arrivals == 6
+    assert last.totals.slack_seconds == pytest.approx(0.06)
+
+
 def test_heartbeat_shows_a_rank_inside_a_collective(rx):
     m = make_monitor(rx, heartbeat_seconds=0.05)
     m.step(1)
@@ -954,6 +977,26 @@ def late_allreduce_hook(state, bucket):
     fut = torch.futures.Future()
     threading.Timer(0.05, fut.set_result, (bucket.buffer(),)).start()
     return fut
+
+
+@pytest.mark.parametrize("how", ["no argument", "None", "WORLD"])
+def test_destroying_the_default_group_shuts_the_monitor_down_first(rx, sock_path, how):
+    """``destroy_process_group()``, ``(None)`` and ``(group.WORLD)`` all destroy every group, the
+    skew exchange's side group too: the monitor shuts down before (end record sent), and a
+    later ``init()`` starts a new one instead of returning the old one with a dead exchange."""
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    import syncwatch.instrument as sw
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        m = sw.init(job="destroy", socket=sock_path, heartbeat_seconds=0)
+        assert m is not None
+        m.step(1)
+    finally:
+        args = {"no argument": (), "None": (None,), "WORLD": (dist.group.WORLD,)}[how]
+        dist.destroy_process_group(*args)
+    assert sw.current() is None and m.closed
+    assert wait_for(lambda: rx.of(EndRecord))
 
 
 def test_default_ddp_path_registers_no_comm_hook_and_waits_for_the_collectives(rx, ddp_world1):

@@ -161,7 +161,8 @@ def _guard_destroy(dist) -> None:
         return
 
     def destroy_process_group(*args, **kwargs):
-        if not args and kwargs.get("group") is None:
+        group = args[0] if args else kwargs.get("group")
+        if group is None or group is dist.group.WORLD:  # all of them, the side group too
             shutdown()
         return orig(*args, **kwargs)
     destroy_process_group._syncwatch_original = orig

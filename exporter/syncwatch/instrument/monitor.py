@@ -541,11 +541,19 @@ class Monitor:
                 self.flush()
             if self.exchange is not None:
                 self.exchange.drain(max(end - time.monotonic(), 0.0))
+                with self._lock:  # windows held for the first result, sized now, go too
+                    fresh = bool(self.exchange.results)
+                    self._take_results()
+                    if self.exchange_every:
+                        self._cut_windows()
+                self.exchange.drain(max(end - time.monotonic(), 0.0))
                 self.exchange.stop(0.1)
-                if self.exchange.results and self._last is not None:
-                    # the last window's results: no step record follows to carry them, so the
-                    # last one goes again (the daemon takes a re-sent step's exchange totals)
-                    with self._lock:
+                with self._lock:
+                    fresh = fresh or bool(self.exchange.results)
+                    if fresh and self._last is not None:
+                        # the last windows' results: no step record follows to carry them, so
+                        # the last one goes again (the daemon takes a re-sent step's exchange
+                        # totals)
                         self._take_results()
                         self._send_step()
             self.sender.send(self.encoder.end(time.time(), self.last_step, reason))
