@@ -42,6 +42,19 @@ def recording_rules(c: Ctx) -> list[dict]:
     def rate_by(metric: str, window: str, by: str = "train_job") -> str:
         return f"sum by ({by}) (rate({metric}[{window}]))"
 
+    # The exact skew exchange's series decide, per job, where coupling, slack, last arrivals and
+    # skew come from: a job that exported them in the last concentration window reads only them
+    # (never a mixture of exact and estimated ranks, nor estimates while a restarted attempt
+    # waits for its first exchange); any other job reads the estimates from window averages of
+    # the waits (docs/rules.md, "Without the skew exchange").
+    exact = f"group by (train_job) (present_over_time(syncwatch_slack_seconds_total[{conc}]))"
+    slack_est = ("(\n  train_job_rank:syncwatch_sync_wait:mean5m\n  - on (train_job) group_left\n"
+                 "  min by (train_job) (train_job_rank:syncwatch_sync_wait:mean5m)\n)")
+    tie = ("(\n    (\n      train_job_rank:syncwatch_sync_wait:mean1m\n      - on (train_job) group_left\n"
+           "      min by (train_job) (train_job_rank:syncwatch_sync_wait:mean1m)\n    )\n"
+           f"    <= on (train_job) group_left\n"
+           f"    {t.last_arrival_tie:g} * train_job:syncwatch_step_seconds:mean1m\n  )")
+
     rules = [
         # --- pace and throughput
         {"record": "train_job:syncwatch_steps:rate5m",
@@ -66,20 +79,53 @@ def recording_rules(c: Ctx) -> list[dict]:
         {"record": "train_job_phase:syncwatch_phase:ratio5m",
          "expr": f"{rate_by('syncwatch_phase_seconds_total', r, 'train_job, phase')}\n"
                  f"/ on (train_job) group_left\n{rate_by('syncwatch_step_seconds_total', r)}"},
+        # --- the fallback's inputs, for jobs without the exact skew exchange only (K = 0; a job
+        # with it pays no series for them): each rank's mean wait per step, over 5m and 1m
+        {"record": "train_job_rank:syncwatch_sync_wait:mean5m",
+         "expr": f"(\n  {rate_by(SYNC_PHASE, r, 'train_job, rank')}\n  /\n"
+                 f"  ({rate_by('syncwatch_steps_total', r, 'train_job, rank')} > 0)\n)\n"
+                 f"unless on (train_job)\n{exact}"},
+        {"record": "train_job_rank:syncwatch_sync_wait:mean1m",
+         "expr": f"(\n  {rate_by(SYNC_PHASE, rs, 'train_job, rank')}\n  /\n"
+                 f"  ({rate_by('syncwatch_steps_total', rs, 'train_job, rank')} > 0)\n)\n"
+                 f"unless on (train_job)\n{exact}"},
+        # A minute's last arrivals: the ranks whose mean wait is within last_arrival_tie of the
+        # step of the smallest share it (1/n each), the others 0. One rank leading by a clear
+        # margin takes the minute; healthy jitter spreads it over all ranks.
+        {"record": "train_job_rank:syncwatch_last_arrival:estimate1m",
+         "expr": f"(\n  0 * {tie} + 1\n)\n/ on (train_job) group_left\n"
+                 f"count by (train_job) (\n  {tie}\n)\n"
+                 f"or\n0 * train_job_rank:syncwatch_sync_wait:mean1m"},
         {"record": "train_job:syncwatch_coupling:ratio5m",
          "expr": f"{rate_by('syncwatch_slack_seconds_total', r)}\n/\n"
-                 f"{rate_by('syncwatch_step_seconds_total', r)}"},
+                 f"{rate_by('syncwatch_step_seconds_total', r)}\n"
+                 f"or on (train_job)\n"
+                 f"sum by (train_job) (\n  {slack_est.replace(chr(10), chr(10) + '  ')}\n"
+                 f"  * on (train_job, rank)\n  {rate_by('syncwatch_steps_total', r, 'train_job, rank')}\n)\n"
+                 f"/\n{rate_by('syncwatch_step_seconds_total', r)}"},
         {"record": "train_job_rank:syncwatch_slack:ratio5m",
          "expr": f"{rate_by('syncwatch_slack_seconds_total', r, 'train_job, rank')}\n/\n"
-                 f"{rate_by('syncwatch_step_seconds_total', r, 'train_job, rank')}"},
+                 f"{rate_by('syncwatch_step_seconds_total', r, 'train_job, rank')}\n"
+                 f"or on (train_job)\n"
+                 f"{slack_est}\n"
+                 f"/ on (train_job, rank)\n(\n"
+                 f"  {rate_by('syncwatch_step_seconds_total', r, 'train_job, rank')}\n  /\n"
+                 f"  {rate_by('syncwatch_steps_total', r, 'train_job, rank')}\n)"},
         # --- stragglers: who arrives last, and how concentrated that is
         {"record": "train_job_rank:syncwatch_last_arrival:ratio10m",
          "expr": f"(\n  {rate_by('syncwatch_last_arrivals_total', conc, 'train_job, rank')}\n  /\n"
-                 f"  {rate_by('syncwatch_steps_total', conc, 'train_job, rank')}\n)\n"
+                 f"  {rate_by('syncwatch_steps_total', conc, 'train_job, rank')}\n"
+                 f"  or on (train_job)\n"
+                 f"  avg_over_time(train_job_rank:syncwatch_last_arrival:estimate1m[{conc}])\n"
+                 f"  unless on (train_job)\n  {exact}\n)\n"
                  f"* on (train_job, rank) group_left (node)\n{RANK_NODE}"},
         {"record": "train_job:syncwatch_straggler_concentration:ratio10m",
          "expr": f"max by (train_job) ({rate_by('syncwatch_last_arrivals_total', conc, 'train_job, rank')})\n"
-                 f"/\n{rate_by('syncwatch_last_arrivals_total', conc)}"},
+                 f"/\n{rate_by('syncwatch_last_arrivals_total', conc)}\n"
+                 f"or on (train_job)\n"
+                 f"(\n  max by (train_job) (train_job_rank:syncwatch_last_arrival:ratio10m)\n  /\n"
+                 f"  sum by (train_job) (train_job_rank:syncwatch_last_arrival:ratio10m)\n)\n"
+                 f"unless on (train_job)\n{exact}"},
         # --- variance: per-step CV from the ranks' rolling windows, and from counters
         {"record": "train_job:syncwatch_step_cv:max",
          "expr": "max by (train_job) (syncwatch_step_cv)"},
@@ -95,9 +141,13 @@ def recording_rules(c: Ctx) -> list[dict]:
          "expr": f"stddev_over_time(train_job:syncwatch_step_seconds:mean1m[{c.d(w.cv_counters)}])\n/\n"
                  f"avg_over_time(train_job:syncwatch_step_seconds:mean1m[{c.d(w.cv_counters)}])"},
         # --- barrier skew (histogram from the daemon of global rank 0)
+        # (without the exchange: the spread of the ranks' mean waits, a lower bound of the mean skew)
         {"record": "train_job:syncwatch_barrier_skew_seconds:mean5m",
          "expr": f"{rate_by('syncwatch_barrier_skew_seconds_sum', r)}\n/\n"
-                 f"({rate_by('syncwatch_barrier_skew_seconds_count', r)} > 0)"},
+                 f"({rate_by('syncwatch_barrier_skew_seconds_count', r)} > 0)\n"
+                 f"or on (train_job)\n"
+                 f"max by (train_job) (train_job_rank:syncwatch_sync_wait:mean5m)\n"
+                 f"- min by (train_job) (train_job_rank:syncwatch_sync_wait:mean5m)"},
         {"record": "train_job:syncwatch_barrier_skew_seconds:p99_5m",
          "expr": f"histogram_quantile(0.99, "
                  f"{rate_by('syncwatch_barrier_skew_seconds_bucket', r, 'train_job, le')})"},
@@ -107,8 +157,11 @@ def recording_rules(c: Ctx) -> list[dict]:
          "expr": f"avg_over_time(train_job:syncwatch_skew_step:ratio5m[{c.d(w.baseline)}] "
                  f"offset {c.d(w.baseline_offset)})"},
         {"record": "train_job:syncwatch_skew_step:growth",
-         "expr": f"train_job:syncwatch_skew_step:ratio5m\n/\n"
-                 f"clamp_min(train_job:syncwatch_skew_step:baseline, {t.skew_growth_floor:g})"},
+         "expr": f"train_job:syncwatch_skew_step:ratio5m\n/\n(\n"
+                 f"  clamp_min(train_job:syncwatch_skew_step:baseline, {t.skew_growth_floor:g})\n"
+                 f"  and on (train_job)\n  {exact}\n"
+                 f"  or on (train_job)\n"
+                 f"  clamp_min(train_job:syncwatch_skew_step:baseline, {t.skew_growth_floor_estimate:g})\n)"},
         # --- oscillation: strongly negative lag-1 autocorrelation of step time
         {"record": "train_job:syncwatch_step_autocorrelation:avg",
          "expr": "avg by (train_job) (syncwatch_step_autocorrelation)"},

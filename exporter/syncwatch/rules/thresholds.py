@@ -73,6 +73,10 @@ class Thresholds:
     straggler_min_coupling: float = 0.05  # ... while peers idle >= 5 % of their time
     skew_step_warn: float = 0.1         # mean barrier skew >= 10 % of the step
     coupling_warn: float = 0.25         # a quarter of all rank-time idled waiting for peers
+    # with the skew exchange off (K = 0): the ranks whose mean wait over a minute is within this
+    # share of the step of the smallest share that minute's last arrivals. Healthy 1.5 % jitter
+    # keeps all ranks within 0.3 % at ~50 steps a minute; the 8 % straggler leads by 6 %.
+    last_arrival_tie: float = 0.02
     # progress
     stall_factor: float = 10.0          # x recent mean step time
     # restarts
@@ -104,6 +108,9 @@ class Thresholds:
     inst_skew_growth_ok: float = 1.2    # skew/step against the job's own earlier skew/step
     inst_skew_growth_bad: float = 1.5
     skew_growth_floor: float = 0.01     # the earlier skew/step is floored here
+    # ... and here where skew is estimated from mean waits (exchange off): that estimate of a
+    # healthy job is noise alone: ~0.01, from 0.007 to 0.015, at 26 steps per 5m window
+    skew_growth_floor_estimate: float = 0.03
     inst_osc_ok: float = 0.2            # -autocorrelation; healthy noise sits near 0 +- 0.1 at W=100
     inst_osc_bad: float = 0.7
     inst_rerun_ok: float = 0.0
