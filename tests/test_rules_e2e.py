@@ -2,7 +2,8 @@
 
 Four train jobs share two real daemons: one healthy, one whose step-time variance grows (the
 simulator's congestion episodes), one with a persistent straggler (rank 5 on sim-node-01), one
-that stalls (a rank hangs; all keep heartbeating). Rules are the shipped ones rendered at time
+that stalls (a rank hangs; all keep heartbeating); they run the skew exchange every 10 steps. A
+second drill runs a healthy and a straggler job without it (K = 0). Rules are the shipped ones rendered at time
 scale 0.05 (5m windows -> 15s); Alertmanager runs the shipped routing with fast timers.
 Detection latency is measured by benchmarks/detection_latency.py, not asserted here.
 """
@@ -69,3 +70,22 @@ def test_only_critical_alerts_reach_the_pager(drill):
     for note in drill.notifications:
         if note["receiver"] == "pager":
             assert {a["labels"]["severity"] for a in note["payload"]["alerts"]} == {"critical"}
+
+
+@pytest.fixture(scope="module")
+def drill_without_exchange():
+    return run_drill(faults=("healthy", "straggler"), exchange_every=0, timeout=150)
+
+
+def test_without_the_skew_exchange_the_straggler_still_pages_and_the_healthy_job_does_not(
+        drill_without_exchange):
+    """K = 0: no slack, last-arrival or skew series; the rules estimate them from mean waits."""
+    d = drill_without_exchange
+    straggler, healthy = d.jobs["drill-straggler"], d.jobs["drill-healthy"]
+    alert = straggler.notified_alerts["SyncwatchPersistentStraggler"]
+    assert straggler.receivers["SyncwatchPersistentStraggler"] == "pager"
+    assert straggler.onset < straggler.firing["SyncwatchPersistentStraggler"]
+    assert (alert["labels"]["rank"], alert["labels"]["node"]) == ("5", straggler_node())
+    assert healthy.firing == {} and healthy.notified == {}
+    assert d.duration > 60
+    assert d.scores["drill-healthy"] < 0.2 and d.scores["drill-straggler"] > 0.5

@@ -112,8 +112,11 @@ class _WebhookHandler(BaseHTTPRequestHandler):
 
 def run_drill(faults=("healthy", "variance", "straggler", "stall"), *, time_scale: float = 0.05,
               warmup: float = 20.0, timeout: float = 150.0, seed: int = 0,
-              workdir: str | None = None) -> DrillResult:
-    """Run the drill until every expected alert was notified (or ``timeout`` seconds)."""
+              exchange_every: int = 10, workdir: str | None = None) -> DrillResult:
+    """Run the drill until every expected alert was notified (or ``timeout`` seconds).
+
+    ``exchange_every`` is the jobs' skew exchange period K; 0 runs them without it, so the rules
+    see only the waits (their fallback from mean waits)."""
     t_start = time.time()
     work = Path(workdir or tempfile.mkdtemp(prefix="sw-drill-"))
     rule_files = write(work / "rules", time_scale)
@@ -138,7 +141,7 @@ def run_drill(faults=("healthy", "variance", "straggler", "stall"), *, time_scal
         targets = [{"udp": d.udp_address} for d in daemons]
         for i, job in enumerate(jobs.values()):
             s = ScenarioThread("healthy", targets, NODES, RANKS_PER_NODE, seed=seed + i, job=job.job,
-                               params=dict(compute_seconds=COMPUTE_SECONDS), exchange_every=10,
+                               params=dict(compute_seconds=COMPUTE_SECONDS), exchange_every=exchange_every,
                                heartbeat_every=1.0)
             s.start()
             sims.append((job, s))
