@@ -428,6 +428,23 @@ def test_heartbeat_shows_a_rank_inside_a_collective(rx):
     assert in_sync[0].last_step_wall_time > 1e9
 
 
+def test_a_gradient_sync_that_raised_is_not_reported_as_sync_after_the_step(rx):
+    """A backward that raised inside DDP's finalize (gradients ready noted, never synchronized)
+    and that the script caught and went on from (an OOM skip): once a step ends the rank is no
+    longer in sync; its heartbeats had read "sync" for the rest of the run."""
+    m = make_monitor(rx)
+    m.bucket_ready()   # gradients ready; DDP's finalize raised: no "synchronized"
+    m.step(1)
+    m.flush()
+    assert not m.in_sync()
+    m.bucket_ready()   # the next backward synchronizes
+    m.bucket_done()
+    m.step(1)
+    m.flush()
+    assert not m.in_sync() and steps(rx, 2)[1].wait_seconds >= 0
+    m.shutdown()
+
+
 def test_the_training_thread_only_queues_entries_the_records_thread_sends(rx):
     m = make_monitor(rx, flush_seconds=60)  # the records thread first flushes after 60 s
     with m.phase("forward"):

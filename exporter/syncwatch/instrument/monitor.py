@@ -299,6 +299,9 @@ class Monitor:
         _, end, wall, samples, tokens, number = e
         self._begun = True
         self._close_ddp()
+        # no gradient sync spans a step's end: one begun and never ended raised in DDP's
+        # finalize (the script caught it), and would read "sync" in every heartbeat from now on
+        self._ddp_out = self._ddp_in
         number = self._step_number(number)
         if number <= self.last_step and self.last_step_wall:  # after a step: a job counting from 0
             if self._new_attempts < MAX_NEW_ATTEMPTS:
