@@ -158,7 +158,8 @@ def test_stack_up_rejects_bad_flags_in_one_line(flag, value, says):
 
 @pytest.mark.skipif(shutil.which("prometheus-alertmanager") is None and shutil.which("alertmanager") is None,
                     reason="Alertmanager missing (Debian package: prometheus-alertmanager)")
-def test_stack_up_runs_both_until_interrupted(exporter):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_stack_up_runs_both_until_interrupted(exporter, sig):
     proc = subprocess.Popen(
         [sys.executable, "-m", "syncwatch", "stack", "up", "--targets", exporter,
          "--prometheus-port", "0", "--alertmanager-port", "0", "--scrape-interval", "1s",
@@ -179,7 +180,7 @@ def test_stack_up_runs_both_until_interrupted(exporter):
             assert http_get(url + "/-/ready")
         wait_until(lambda: b'"health":"up"' in http_get(urls["prometheus"] + "/api/v1/targets"), 20,
                    what="the daemon target to be up")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, sig))  # Ctrl-C, kill, a closed terminal
         assert proc.wait(20) == 0
         for url in urls.values():
             with pytest.raises(OSError):
@@ -188,3 +189,28 @@ def test_stack_up_runs_both_until_interrupted(exporter):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(shutil.which("prometheus-alertmanager") is None and shutil.which("alertmanager") is None,
+                    reason="Alertmanager missing (Debian package: prometheus-alertmanager)")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_stack_up_stopped_while_it_starts_leaves_no_server_running(tmp_path, sig):
+    """A signal while Alertmanager starts (before anything is ready): the servers run in
+    sessions of their own, so a stack that died of the signal left them running."""
+    data = tmp_path / "stack-data"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "syncwatch", "stack", "up", "--targets", "127.0.0.1:1",
+         "--data-dir", str(data)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT)
+    try:
+        wait_until(lambda: (data / "alertmanager" / "alertmanager.log").exists(), 30,
+                   what="Alertmanager to be started")
+        proc.send_signal(getattr(signal, sig))
+        proc.wait(20)
+        left = subprocess.run(["pgrep", "-f", str(data)], capture_output=True, text=True).stdout
+        assert left == "", left  # no Prometheus or Alertmanager with our data directory
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["pkill", "-f", str(data)], capture_output=True)

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -359,6 +360,7 @@ def run_up(args: argparse.Namespace) -> int:
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     work = Path(args.data_dir or tempfile.mkdtemp(prefix="sw-stack-"))
     servers: list[_Server] = []
+    previous = _stop_on_signals()
     try:
         # The shipped rule files themselves, unless their windows are to be scaled.
         rule_files = (sorted((REPO / "alerts").glob("*.rules.yml")) if args.time_scale == 1
@@ -377,9 +379,7 @@ def run_up(args: argparse.Namespace) -> int:
         if am:
             print(f"alertmanager {am.url}", flush=True)
         print("Ctrl-C stops.", flush=True)
-        stop = []
-        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-        while not stop:
+        while True:
             for s in servers:
                 if s.proc.poll() is not None:
                     print(f"{s.name} exited; log:\n{s.log_tail()}", file=sys.stderr)
@@ -395,5 +395,20 @@ def run_up(args: argparse.Namespace) -> int:
             s.stop()
         if not args.data_dir:
             shutil.rmtree(work, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def _stop_on_signals() -> dict:
+    """SIGTERM and SIGHUP (``kill``, a closed terminal) stop the stack as Ctrl-C does, from before
+    the first server starts: the servers run in sessions of their own, and a stack killed while
+    one started, or by a signal it did not handle, left them running. Returns the handlers it
+    replaced (none off the main thread, where Python cannot set any)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
 
