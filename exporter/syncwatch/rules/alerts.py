@@ -80,7 +80,8 @@ def stragglers(c: Ctx) -> list[dict]:
               w.for_straggler, "critical",
               "One rank persistently holds back its train job.",
               f"Rank {RANK} on node {NODE} arrived last at the barrier in {PCT} of the steps of "
-              f"train job {JOB} over the last {c.d(w.concentration)}, while its peers idle at least "
+              f"train job {JOB} over the last {c.d(w.concentration)} (with the skew exchange off: "
+              f"of the minutes, estimated from mean waits), while its peers idle at least "
               f"{t.straggler_min_coupling:.0%} of their time waiting. Check that node's GPU "
               f"(throttling, clocks), its NIC and its data loader."),
         alert(c, "SyncwatchBarrierSkewHigh",
