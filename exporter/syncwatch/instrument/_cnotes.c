@@ -1,7 +1,7 @@
 /* syncwatch.instrument._cnotes: the training thread's notes, in C.
  *
- * The same three classes as notes.py -- Notes, its Phase context managers and Mark callbacks --
- * with the same behaviour: each call appends one entry, a tuple of an entry code and a clock
+ * The same four classes as notes.py -- Notes, its Phase context managers, Mark and Relay
+ * callbacks -- with the same behaviour: each call appends one entry, a tuple of an entry code and a clock
  * mark, to the monitor's deque. notes.py is the reference and what runs where this module was
  * not built. It exists because after a backward pass the interpreter's caches are cold and every
  * Python frame costs 1-3 us; a call into these types costs no Python frame at all.
@@ -29,6 +29,15 @@ typedef struct {
     PyObject *code;       /* noted on __enter__ (phase) or when called (mark) */
     PyObject *exit_code;  /* noted on __exit__ (phase); NULL for a mark */
 } NoteObject;
+
+/* A relay: calls first(), then notes (code, clock(), extra). */
+typedef struct {
+    PyObject_HEAD
+    NotesObject *notes;
+    PyObject *code;
+    PyObject *extra;
+    PyObject *first;
+} RelayObject;
 
 static PyObject *zero;  /* step()'s default sample count */
 
@@ -204,7 +213,7 @@ notes_step(NotesObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
     Py_RETURN_NONE;
 }
 
-static PyTypeObject PhaseType, MarkType;
+static PyTypeObject PhaseType, MarkType, RelayType;
 
 static PyObject *
 new_note(PyTypeObject *type, NotesObject *notes, PyObject *code, PyObject *exit_code)
@@ -237,6 +246,30 @@ static PyObject *
 notes_mark(NotesObject *self, PyObject *code)
 {
     return new_note(&MarkType, self, code, NULL);
+}
+
+static PyObject *
+notes_relay(NotesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "relay(code, extra, first) takes 3 arguments");
+        return NULL;
+    }
+    if (!PyCallable_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "relay: first must be callable");
+        return NULL;
+    }
+    RelayObject *r = PyObject_GC_New(RelayObject, &RelayType);
+    if (r == NULL) {
+        return NULL;
+    }
+    Py_INCREF(self);
+    r->notes = self;
+    r->code = Py_NewRef(args[0]);
+    r->extra = Py_NewRef(args[1]);
+    r->first = Py_NewRef(args[2]);
+    PyObject_GC_Track(r);
+    return (PyObject *)r;
 }
 
 static int
@@ -276,6 +309,9 @@ static PyMethodDef notes_methods[] = {
      "phase(start, end): a context manager noting start on entry and end on exit."},
     {"mark", (PyCFunction)notes_mark, METH_O,
      "mark(code): a callable (any arguments, ignored) noting code."},
+    {"relay", (PyCFunction)(void (*)(void))notes_relay, METH_FASTCALL,
+     "relay(code, extra, first): a callable (any arguments, ignored) that calls first(), then\n"
+     "notes code with extra: (code, mark, extra). If first raises, nothing is noted."},
     {NULL}
 };
 
@@ -385,6 +421,75 @@ static PyTypeObject MarkType = {
     .tp_clear = (inquiry)note_clear,
 };
 
+/* ------------------------------------------------------------------------------ Relay */
+
+static int
+relay_traverse(RelayObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->notes);
+    Py_VISIT(self->code);
+    Py_VISIT(self->extra);
+    Py_VISIT(self->first);
+    return 0;
+}
+
+static int
+relay_clear(RelayObject *self)
+{
+    Py_CLEAR(self->notes);
+    Py_CLEAR(self->code);
+    Py_CLEAR(self->extra);
+    Py_CLEAR(self->first);
+    return 0;
+}
+
+static void
+relay_dealloc(RelayObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    relay_clear(self);
+    PyObject_GC_Del(self);
+}
+
+static PyObject *
+relay_call(RelayObject *self, PyObject *args, PyObject *kwds)
+{
+    PyObject *to = self->notes != NULL ? self->notes->to : NULL;
+    if (to == NULL || self->first == NULL) {
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(to);  /* first() and clock() may run Python code, during which a rebind may come */
+    PyObject *entry = NULL;
+    PyObject *r = PyObject_CallNoArgs(self->first);
+    if (r != NULL) {
+        Py_DECREF(r);
+        PyObject *mark = PyObject_CallNoArgs(PyTuple_GET_ITEM(to, 1));
+        if (mark != NULL) {
+            entry = PyTuple_Pack(3, self->code, mark, self->extra);
+            Py_DECREF(mark);
+        }
+    }
+    int rc = put(to, entry);
+    Py_DECREF(to);
+    if (rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyTypeObject RelayType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "syncwatch.instrument._cnotes.Relay",
+    .tp_doc = "A callback that calls first() and notes its code and extra (Notes.relay); its "
+              "arguments are ignored.",
+    .tp_basicsize = sizeof(RelayObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_call = (ternaryfunc)relay_call,
+    .tp_dealloc = (destructor)relay_dealloc,
+    .tp_traverse = (traverseproc)relay_traverse,
+    .tp_clear = (inquiry)relay_clear,
+};
+
 /* ------------------------------------------------------------------------------ module */
 
 static struct PyModuleDef module = {
@@ -398,7 +503,7 @@ PyMODINIT_FUNC
 PyInit__cnotes(void)
 {
     if (PyType_Ready(&NotesType) < 0 || PyType_Ready(&PhaseType) < 0
-            || PyType_Ready(&MarkType) < 0) {
+            || PyType_Ready(&MarkType) < 0 || PyType_Ready(&RelayType) < 0) {
         return NULL;
     }
     zero = PyLong_FromLong(0);
@@ -411,7 +516,8 @@ PyInit__cnotes(void)
     }
     if (PyModule_AddObjectRef(m, "Notes", (PyObject *)&NotesType) < 0
             || PyModule_AddObjectRef(m, "Phase", (PyObject *)&PhaseType) < 0
-            || PyModule_AddObjectRef(m, "Mark", (PyObject *)&MarkType) < 0) {
+            || PyModule_AddObjectRef(m, "Mark", (PyObject *)&MarkType) < 0
+            || PyModule_AddObjectRef(m, "Relay", (PyObject *)&RelayType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

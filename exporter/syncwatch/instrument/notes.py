@@ -4,11 +4,12 @@ A ``Notes`` object, bound to a monitor with ``bind(put, clock, on_error)``, appe
 tuples of an entry code and a clock mark — with ``put`` (the monitor's ``deque.append``: atomic,
 no lock, no syscall); the monitor's records thread turns them into step records. Its phase
 context managers (``phase(start, end)``) note ``start`` on entry and ``end`` on exit, its marks
-(``mark(code)``: callbacks for autograd and DDP) note ``code``, and ``step()`` notes the end of a
-step. An exception raised by ``clock`` or ``put`` is handed to ``on_error`` (which counts it) and
+(``mark(code)``: callbacks for autograd and DDP) note ``code``, its relays (``relay(code, extra,
+first)``: the hook-free gradient wait's first autograd callback) call ``first()`` and note ``code``
+with ``extra``, and ``step()`` notes the end of a step. An exception raised by ``clock`` or ``put`` is handed to ``on_error`` (which counts it) and
 goes no further. Unbound, every call does nothing: the API before ``init()``.
 
-The classes here are the reference. ``_cnotes.c`` implements the same three in C, because after
+The classes here are the reference. ``_cnotes.c`` implements the same four in C, because after
 a backward pass the interpreter's caches are cold and each Python frame here costs 1-3 us, and
 this module uses them when they were built and ``SYNCWATCH_PURE_PYTHON`` is not set
 (``IMPLEMENTATION`` says which runs); the tests hold both to the same behaviour. The methods
@@ -65,6 +66,13 @@ class Notes:
         """A callable (any arguments, ignored) noting ``code``."""
         return Mark(self, code)
 
+    def relay(self, code, extra, first) -> Relay:
+        """A callable (any arguments, ignored) that calls ``first()``, then notes ``code`` with
+        ``extra``: ``(code, mark, extra)``. If ``first`` raises, nothing is noted."""
+        if not callable(first):
+            raise TypeError("relay: first must be callable")
+        return Relay(self, code, extra, first)
+
 
 class Phase:
     """A phase's context manager. Stateless: one object serves nested and repeated uses."""
@@ -106,6 +114,24 @@ class Mark:
         if to is not None:
             try:
                 to[0]((self._code, to[1]()))
+            except Exception as e:
+                to[2](e)
+
+
+class Relay:
+    """A callback that calls ``first`` and notes its code and ``extra``; arguments ignored."""
+
+    __slots__ = ("_notes", "_code", "_extra", "_first")
+
+    def __init__(self, notes: Notes, code, extra, first):
+        self._notes, self._code, self._extra, self._first = notes, code, extra, first
+
+    def __call__(self, *args, **kwargs) -> None:
+        to = self._notes._to
+        if to is not None:
+            try:
+                self._first()
+                to[0]((self._code, to[1](), self._extra))
             except Exception as e:
                 to[2](e)
 
