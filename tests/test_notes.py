@@ -24,7 +24,7 @@ except ImportError:
 IMPLEMENTATIONS = [pytest.param(notes.PyNotes, id="python"),
                    pytest.param(_cnotes.Notes if _cnotes else None, id="c", marks=pytest.mark.skipif(
                        _cnotes is None, reason="syncwatch.instrument._cnotes was not built"))]
-STEP, DONE = 16, 18
+STEP, READY, DONE = 16, 17, 18
 
 
 def test_the_c_notes_are_built_and_used():
@@ -56,6 +56,11 @@ def script(n):
     done = n.mark(DONE)
     done()
     done("a future", key="ignored")
+    firsts = []
+    ready = n.relay(READY, 3, lambda: firsts.append(len(firsts)))
+    ready()
+    ready("ignored", too=1)
+    seen.append(firsts)
     n.step()
     n.step(32)
     n.step(32.5, 100)
@@ -67,12 +72,13 @@ def script(n):
 @pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
 def test_each_call_notes_one_entry_with_its_code_and_a_mark(Notes):
     n, entries, errors = bound(Notes)
-    assert script(n) == [True]
+    assert script(n) == [True, [0, 1]]  # each relay's first() ran before it noted
     assert list(entries) == [
         (0, 0), (8, 1), (1, 2), (0, 3), (8, 4), (9, 5), (DONE, 6), (DONE, 7),
-        (STEP, 8, 1000, 0, None, None), (STEP, 9, 1001, 32, None, None),
-        (STEP, 10, 1002, 32.5, 100, None), (STEP, 11, 1003, 8, 7, 12),
-        (STEP, 12, 1004, 4, None, 3)]
+        (READY, 8, 3), (READY, 9, 3),
+        (STEP, 10, 1000, 0, None, None), (STEP, 11, 1001, 32, None, None),
+        (STEP, 12, 1002, 32.5, 100, None), (STEP, 13, 1003, 8, 7, 12),
+        (STEP, 14, 1004, 4, None, 3)]
     assert errors == []
 
 
@@ -80,7 +86,7 @@ def test_each_call_notes_one_entry_with_its_code_and_a_mark(Notes):
 def test_unbound_notes_do_nothing(Notes):
     n = Notes(STEP, lambda: 1 / 0)  # not even the wall clock is read
     assert not n.bound
-    script(n)
+    assert script(n) == [True, []]  # nor a relay's first()
     entries = collections.deque()
     n.bind(entries.append, itertools.count().__next__, print)
     assert n.bound
@@ -102,8 +108,16 @@ def test_an_exception_in_put_or_clock_goes_to_on_error_not_to_the_caller(Notes):
         pass
     n.step(1)
     n.mark(DONE)()
-    assert [str(e) for e in errors] == ["put"] * 4
+    n.relay(READY, 1, list)()
+    assert [str(e) for e in errors] == ["put"] * 5
     assert errors[0].__traceback__ is not None  # logged with where it came from
+
+    def broken_first():
+        raise OSError("first")
+    errors.clear()
+    n.bind(entries.append, itertools.count().__next__, errors.append)
+    n.relay(READY, 1, broken_first)()  # what it relays failed: nothing is noted
+    assert [str(e) for e in errors] == ["first"] and not entries
 
     def broken_clock():
         raise ValueError("clock")
@@ -112,7 +126,8 @@ def test_an_exception_in_put_or_clock_goes_to_on_error_not_to_the_caller(Notes):
     with p:
         pass
     n.step(1)
-    assert [type(e) for e in errors] == [ValueError] * 3 and not entries
+    n.relay(READY, 1, list)()
+    assert [type(e) for e in errors] == [ValueError] * 4 and not entries
 
 
 @pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
@@ -152,6 +167,8 @@ def test_step_rejects_arguments_it_does_not_take(Notes):
         n.bind(entries.append, None, print)
     with pytest.raises(TypeError, match="callable"):
         Notes(STEP, None)
+    with pytest.raises(TypeError, match="first must be callable"):
+        n.relay(READY, 1, None)
     assert not entries
 
 
@@ -161,12 +178,13 @@ def test_no_reference_is_leaked(Notes):
     n = Notes(code, lambda: 0)
     sink = collections.deque(maxlen=1)
     n.bind(sink.append, lambda: mark, print)
-    p, m = n.phase(code, code), n.mark(code)
+    p, m, r = n.phase(code, code), n.mark(code), n.relay(code, samples, lambda: samples)
     before = [sys.getrefcount(o) for o in (code, mark, samples)]
     for _ in range(1000):
         with p:
             pass
         m(samples)
+        r(samples)
         n.step(samples, samples, samples)
     sink.clear()
     assert [sys.getrefcount(o) for o in (code, mark, samples)] == before
@@ -180,6 +198,7 @@ def test_a_monitor_and_its_notes_are_collected_together(Notes):
             self.entries = collections.deque()
             self.notes.bind(self.entries.append, lambda: 0, self.error)
             self.phase, self.done = self.notes.phase(0, 8), self.notes.mark(DONE)
+            self.ready = self.notes.relay(READY, 1, self.done)  # as the gradient hooks build it
 
         def error(self, exc):
             pass
