@@ -85,8 +85,38 @@ def test_contention_without_the_skew_exchange_does_not_claim_arrival_spread_was_
     text = " ".join([f.phenomenon, *(e["series"] + " " + e["reading"] for e in f.evidence)])
     assert "slack) did not explain" not in text and "not the ranks' arrival spread" not in text
     assert "cannot be told apart from late arrivals" in f.phenomenon
-    assert f.evidence[0]["series"] == "sync wait per step = sync / steps (no slack: skew exchange off)"
+    assert f.evidence[0]["series"] == ("collective time per step (estimated) = smallest mean wait of the "
+                                       "ranks (skew exchange off)")
     assert f.confidence_word == "low" and f.confidence == pytest.approx(with_slack[0].confidence - 0.2)
+
+
+def test_a_straggler_appearing_without_the_skew_exchange_is_not_contention():
+    """With the exchange off the collective time was the whole mean wait: a rank 15 % slower from
+    mid-range raised every other rank's wait by its lateness, and the job read as fabric contention
+    (no straggler named). The smallest mean wait is the straggler's own, which did not grow."""
+    for seed in (0, 1, 2):
+        v = _without_skew_exchange(recording.to_view(
+            recorded("straggler", seed, straggler_from_step=150, straggler_slowdown=0.15), "test"))
+        assert [(f.mode, f.subject) for f in diagnose(v).findings] == [
+            ("straggler_persistent", {"rank": sim.straggler_rank(32), "node": "sim-node-00"})]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_without_the_skew_exchange_a_persistent_straggler_is_named_from_mean_waits(seed):
+    """It read as healthy: with no last-arrival counters the straggler was not looked for."""
+    exact = diagnose(recording.to_view(recorded("straggler", seed), "test"))
+    d = diagnose(_without_skew_exchange(recording.to_view(recorded("straggler", seed), "test")))
+    (f,) = d.findings
+    assert f.mode == "straggler_persistent" and f.subject == exact.findings[0].subject
+    assert f.title == exact.findings[0].title
+    assert "estimated from mean waits" in f.phenomenon
+    assert not any(e["series"].startswith(("syncwatch_last_arrivals_total", "syncwatch_slack_seconds_total"))
+                   for e in f.evidence), f.evidence
+    # the smallest mean wait leads by the straggler's whole lateness: estimated ≈ exact coupling
+    assert d.scores["coupling"] == pytest.approx(exact.scores["coupling"], rel=0.1)
+    assert d.to_dict()["estimated"] == ["coupling", "straggler_concentration", "collective_seconds"]
+    assert exact.to_dict()["estimated"] == []
+    assert f.confidence == pytest.approx(exact.findings[0].confidence - 0.1)
 
 
 def test_topology_mismatch_when_collective_grows_without_bytes_or_congestion():
@@ -99,6 +129,9 @@ def test_topology_mismatch_when_collective_grows_without_bytes_or_congestion():
     run["hardware"] = {"net_bytes_rate": {f"sim-node-{n:02d}": points for n in range(4)}}
     modes = [f.mode for f in diagnose(recording.to_view(run, "test")).findings]
     assert "topology_mismatch" in modes
+    (f,) = [f for f in diagnose(_without_skew_exchange(recording.to_view(run, "test"))).findings
+            if f.mode == "topology_mismatch"]
+    assert f.evidence[0]["series"].endswith("(estimated: smallest mean wait, skew exchange off)")
 
 
 def test_a_partial_window_holding_lagged_slack_is_not_contention():

@@ -9,6 +9,9 @@ advanced from the simulation), so diagnose must cite GPU and fabric evidence for
 hardware, which belongs to no job, does not leak into the other scenarios' diagnoses. The skew exchange runs every 10 steps (``exchange_every``)
 so that each 1.5 s analysis window (~50 steps) spans several exchanges: slack counters advance
 once per exchange, and a window shorter than a few exchange periods sees them lag the sync time.
+``healthy`` and ``straggler`` also run a second time with the exchange off (K = 0, jobs
+``e2e-healthy-k0`` and ``e2e-straggler-k0``): no slack, last-arrival or skew series at all, so
+every command works from the estimates it derives from the mean waits.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ NODES, RANKS_PER_NODE = 4, 4
 TIME_SCALE = 0.025
 SCRAPE = 0.5
 HARDWARE = ("thermal", "congestion")  # scenarios on their own daemons with simulated hardware
+WITHOUT_EXCHANGE = ("healthy", "straggler")  # also run with the skew exchange off, as NAME-k0
 
 
 def _daemon(node: str, extra=()):
@@ -55,18 +59,19 @@ def cluster():
         prom.start()
         wait_until(prom.targets_up, 20, what="a first scrape of every daemon")
         threads, ranges = {}, {}
-        for name in SCENARIO_MODES:
+        runs = [(name, name, 10) for name in SCENARIO_MODES] + [(f"{name}-k0", name, 0) for name in WITHOUT_EXCHANGE]
+        for key, name, every in runs:
             own = name in hardware
             t = scenarios.ScenarioThread(name, [{"udp": r.udp_address} for r in running[name if own else None]],
                                          NODES, RANKS_PER_NODE, steps=scenarios.DEFAULT_STEPS[name],
-                                         job=f"e2e-{name}", fast=False, time_scale=TIME_SCALE, seed=1,
-                                         exchange_every=10,
+                                         job=f"e2e-{key}", fast=False, time_scale=TIME_SCALE, seed=1,
+                                         exchange_every=every,
                                          node_prefix=f"e2e-{name}-node-" if own else "sim-node-")
             if own:
                 hardware[name].follow(t.driver)
-            ranges[name] = [time.time() - 1.0, None]
+            ranges[key] = [time.time() - 1.0, None]
             t.start()
-            threads[name] = t
+            threads[key] = t
         for name, t in threads.items():
             t.join(120)
             assert not t.is_alive() and t.error is None, (name, t.error)
@@ -118,6 +123,32 @@ def test_congestion_diagnosis_cites_the_fabric_counters(cluster, monkeypatch, ca
     assert set(corr) == {"ib_xmit_wait_rate", "roce_congestion_rate"}, finding["evidence"]
     assert min(corr.values()) > 0.5, corr   # the counters follow the collective time (r 0.93-0.98 seen)
     assert finding["confidence"] >= 0.9
+
+
+def _run(monkeypatch, capsys, url, ranges, command, name, *extra) -> str:
+    start, end = ranges[name]
+    code, out, err = run_cli(monkeypatch, capsys, [
+        command, "--prometheus", url, "--job", f"e2e-{name}", "--start", f"{start:.3f}",
+        "--end", f"{end:.3f}", "--window", "1.5", *extra])
+    assert code == 0, err
+    return out
+
+
+def test_straggler_without_the_skew_exchange_is_named_from_mean_waits(cluster, monkeypatch, capsys):
+    """With K = 0 the daemons export no slack or last arrivals: diagnose said "no structural
+    problem found" for a job whose rank 5 was 8 % slower than the others."""
+    d = json.loads(_run(monkeypatch, capsys, *cluster, "diagnose", "straggler-k0", "--json"))
+    (f,) = d["findings"]
+    assert f["mode"] == "straggler_persistent", d
+    assert f["subject"] == {"rank": scenarios.straggler_rank(NODES * RANKS_PER_NODE), "node": "sim-node-01"}
+    assert "estimated from mean waits" in f["phenomenon"]
+    # no exact series is cited as evidence: they do not exist for this job
+    assert not [e for e in f["evidence"] if "_total" in e["series"] and "phase=" not in e["series"]], f["evidence"]
+    assert d["scores"]["coupling"] == pytest.approx(0.065, abs=0.02)   # exact: 6.5 % (K = 10)
+    assert d["estimated"] == ["coupling", "straggler_concentration", "collective_seconds"]
+    text = _run(monkeypatch, capsys, *cluster, "diagnose", "straggler-k0")
+    assert "Persistent straggler: rank 5 on sim-node-01" in text
+    assert "n/a" not in text and "nan" not in text.lower()
 
 
 def test_unknown_job_and_empty_range_exit_2(cluster, monkeypatch, capsys):

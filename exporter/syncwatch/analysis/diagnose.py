@@ -21,9 +21,16 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from ..rules.thresholds import THRESHOLDS
 from .common import command, emit_json, lag1, ms, pct
 from .source import add_source_flags, view_from_args
 from .view import BYTES_SERIES, CONGESTION_SERIES, JobView
+
+# without the skew exchange a straggler is named from mean waits: one that leads on average, not
+# one counted last step by step, so its finding is this much less sure
+ESTIMATE_PENALTY = 0.1
+# the scores read from slack and last arrivals, estimated from mean waits without the exchange
+ESTIMATED_SCORES = ["coupling", "straggler_concentration", "collective_seconds"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class Diagnosis:
     scores: dict
     findings: list[Finding]
     notes: list[str]
+    estimated: list[str] = field(default_factory=list)  # scores estimated from mean waits (K = 0)
 
     @property
     def healthy(self) -> bool:
@@ -81,7 +89,7 @@ class Diagnosis:
     def to_dict(self) -> dict:
         return {"job": self.job, "source": self.source, "start": self.start, "end": self.end,
                 "ranks": self.ranks, "nodes": self.nodes, "steps": self.steps, "scores": self.scores,
-                "healthy": self.healthy,
+                "estimated": self.estimated, "healthy": self.healthy,
                 "verdict": "no structural problem found" if self.healthy else
                            f"{len(self.findings)} structural problem(s) found",
                 "findings": [f.to_dict() for f in self.findings], "notes": self.notes}
@@ -128,7 +136,7 @@ def scores(v: JobView) -> dict:
     return {
         "mean_step_seconds": step_s / steps if steps else None,
         "sync_tax": v.total("sync_seconds") / step_s if step_s else None,
-        "coupling": v.total("slack_seconds") / step_s if step_s and v.has_exact() else None,
+        "coupling": v.total("slack_seconds") / step_s if step_s else None,
         "straggler_concentration": max(la.values()) / la_total if la_total else None,
         "step_cv": _mean(v.cv),
         "step_autocorrelation": _mean(v.autocorrelation),
@@ -142,33 +150,44 @@ def scores(v: JobView) -> dict:
 # ---------------------------------------------------------------- detectors
 
 def detect_stragglers(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
-    if not v.has_exact():
-        return []
     coupling = s["coupling"] or 0.0
     la = {r: v.total("last_arrivals", r) for r in v.ranks}
     total = sum(la.values())
+    if total <= 0:
+        return []
     top = max(la, key=la.get)
     share = la[top] / total
     node = v.rank_node[top]
+    exact = v.has_exact()
+    idle = (f"{pct(coupling)} of all rank-time idled waiting for slower peers" if exact else
+            f"{pct(coupling)} of all rank-time idled waiting for slower peers (estimated from mean waits: "
+            "a lower bound)")
     evidence = [
-        {"series": "train_job:syncwatch_coupling:ratio5m", "value": round(coupling, 4),
-         "reading": f"{pct(coupling)} of all rank-time idled waiting for slower peers"},
+        {"series": "train_job:syncwatch_coupling:ratio5m", "value": round(coupling, 4), "reading": idle},
         {"series": f'syncwatch_last_arrivals_total{{rank="{top}",node="{node}"}}', "value": la[top],
-         "reading": f"rank {top} arrived last in {pct(share)} of last arrivals ({la[top]:.0f} of {total:.0f})"},
+         "reading": f"rank {top} arrived last in {pct(share)} of last arrivals ({la[top]:.0f} of {total:.0f})"}
+        if exact else
+        {"series": f'syncwatch_phase_seconds_total{{phase="sync",rank="{top}",node="{node}"}} / '
+                   "syncwatch_steps_total, per window", "value": round(la[top], 1),
+         "reading": f"rank {top} had the smallest mean wait in windows holding {pct(share)} of the steps "
+                    f"(ranks within {pct(THRESHOLDS.last_arrival_tie)} of the step of it share a window)"},
         {"series": "train_job:syncwatch_straggler_concentration:ratio10m", "value": round(share, 4),
          "reading": f"1/N would be {pct(1 / max(1, len(la)))}"},
     ]
     if share >= th.persistent_share and coupling >= th.coupling / 2:
         slack_other = _mean([v.total("slack_seconds", r) / max(1.0, v.total("steps", r))
                              for r in v.ranks if r != top])
-        evidence.append({"series": "syncwatch_slack_seconds_total / syncwatch_steps_total (other ranks)",
+        evidence.append({"series": "syncwatch_slack_seconds_total / syncwatch_steps_total (other ranks)"
+                                   if exact else f"mean wait − rank {top}'s mean wait (other ranks)",
                          "value": round(slack_other or 0.0, 6),
                          "reading": f"every other rank idles {1e3 * (slack_other or 0):.1f} ms per step for it"})
+        arrives = (f"arrives last at the gradient collective in {pct(share)} of steps" if exact else
+                   f"has the smallest mean wait at the gradient collective, so it arrives last, in windows "
+                   f"holding {pct(share)} of steps (estimated from mean waits: the exact skew exchange is off)")
         return [Finding(
             mode="straggler_persistent", title=f"Persistent straggler: rank {top} on {node}",
-            phenomenon=f"Rank {top} (node {node}) arrives last at the gradient collective in {pct(share)} "
-                       f"of steps; the other {len(la) - 1} ranks wait for it, {pct(coupling)} of all "
-                       "rank-time is idle.",
+            phenomenon=f"Rank {top} (node {node}) {arrives}; the other {len(la) - 1} ranks wait for it, "
+                       f"{'' if exact else 'an estimated '}{pct(coupling)} of all rank-time is idle.",
             evidence=evidence,
             cause="One slow rank sets the pace of a synchronous job: its local slowness (a degraded GPU, "
                   "a throttling or misconfigured node, a slower data shard) is amplified to every rank at "
@@ -176,11 +195,13 @@ def detect_stragglers(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
             options=[f"cordon node {node} and restart the job without it (or swap the GPU of rank {top})",
                      f"inspect rank {top}'s GPU clocks, throttle reasons and data loading",
                      "rebalance: give the slow rank a smaller share of the batch if its slowness is structural"],
-            confidence=min(0.95, 0.5 + share / 2), subject={"rank": top, "node": node})]
+            confidence=min(0.95, 0.5 + share / 2) - (0 if exact else ESTIMATE_PENALTY),
+            subject={"rank": top, "node": node})]
     if coupling >= th.coupling and node_rotation(v)[0] < th.rotating_node_share:
         return [Finding(
             mode="straggler_transient", title="Transient jitter amplified by synchronization",
-            phenomenon=f"{pct(coupling)} of all rank-time is idle at the collective, yet last arrivals "
+            phenomenon=f"{'' if exact else 'At least '}{pct(coupling)} of all rank-time is idle at the "
+                       f"collective{'' if exact else ' (estimated from mean waits)'}, yet last arrivals "
                        f"are spread over ranks (the most frequent last arrival holds {pct(share)}).",
             evidence=evidence,
             cause="Independent per-rank jitter (OS noise, data loading, garbage collection, page faults) "
@@ -324,11 +345,12 @@ def detect_fabric(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
     episodes = frac >= th.inflated_windows
     if not episodes and not (best is not None and best >= th.correlation and max(vals) >= th.collective_inflation * base):
         return []
-    # without the skew exchange there is no slack to take out: the "collective time" is the whole
-    # sync wait, arrival spread included, and a straggler episode looks the same as a slow fabric
+    # without the skew exchange the slack taken out is estimated from mean waits: the "collective
+    # time" is the smallest mean wait, which still holds late arrivals that move from rank to rank
     spread_known = v.has_exact()
     measure, formula = (("collective time per step", "(sync − slack) / steps") if spread_known
-                        else ("sync wait per step", "sync / steps (no slack: skew exchange off)"))
+                        else ("collective time per step (estimated)",
+                              "smallest mean wait of the ranks (skew exchange off)"))
     evidence = [{"series": f"{measure} = {formula}", "value": round(base, 6),
                  "reading": f"baseline {1e3 * base:.1f} ms per step"},
                 {"series": f"{measure}, inflated windows", "value": round(max(vals), 6),
@@ -356,13 +378,14 @@ def detect_fabric(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
     if not spread_known and conf < 0.9:  # unless the fabric counters follow it: a guess
         conf -= 0.2
         evidence.append({"series": "syncwatch_slack_seconds_total", "value": None,
-                         "reading": "no slack in range (exact skew exchange off): late arrivals (a straggler "
-                                    "episode) would inflate the sync wait the same way"})
+                         "reading": "no slack in range (exact skew exchange off): late arrivals that move from "
+                                    "rank to rank (bursts of jitter) stay in the smallest mean wait and would "
+                                    "inflate it the same way"})
     what = (f"The gradient collective itself slows down in episodes ({pct(frac)} of windows, up to "
             f"{max(vals) / base:.1f}x its baseline) — not the ranks' arrival spread." if spread_known else
-            f"The synchronization wait grows in episodes ({pct(frac)} of windows, up to {max(vals) / base:.1f}x "
-            "its baseline); with the skew exchange off, a slower collective cannot be told apart from "
-            "late arrivals.")
+            f"The collective time, estimated as the smallest mean wait, grows in episodes ({pct(frac)} of "
+            f"windows, up to {max(vals) / base:.1f}x its baseline); with the skew exchange off, a slower "
+            "collective cannot be told apart from late arrivals that move from rank to rank.")
     return [Finding(
         mode="fabric_contention", title="Fabric contention",
         phenomenon=what,
@@ -406,7 +429,9 @@ def detect_topology(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
         mode="topology_mismatch", title="Topology mismatch",
         phenomenon=f"Collective time grew {growth:.2f}x across the range while the bytes moved per step grew "
                    f"only {bgrowth:.2f}x, without rising congestion counters.",
-        evidence=[{"series": "collective time per step, first vs second half", "value": [round(c_early, 6), round(c_late, 6)],
+        evidence=[{"series": "collective time per step, first vs second half"
+                             + ("" if v.has_exact() else " (estimated: smallest mean wait, skew exchange off)"),
+                   "value": [round(c_early, 6), round(c_late, 6)],
                    "reading": f"{1e3 * c_early:.1f} ms -> {1e3 * c_late:.1f} ms"},
                   {"series": "NIC/IB bytes per step (sum over nodes)", "value": [round(b_early), round(b_late)],
                    "reading": f"{bgrowth:.2f}x"}],
@@ -459,7 +484,9 @@ def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
     s = scores(v)
     notes = []
     if not v.has_exact():
-        notes.append("no slack / last-arrival counters (exact skew exchange off): straggler attribution not assessed")
+        notes.append("no slack / last-arrival counters (exact skew exchange off): slack, coupling and last "
+                     "arrivals are estimated from each rank's mean wait per window, which names a persistent "
+                     "straggler; jitter whose last rank changes from step to step averages out of them")
     if not any(n in v.hardware for n in ("gpu_temperature_celsius", "gpu_thermal_throttle")):
         notes.append("no GPU telemetry in range: thermal causes inferred from arrival patterns only")
     if not any(n in v.hardware for n in CONGESTION_SERIES):
@@ -477,18 +504,20 @@ def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
     found += detect_restarts(v, s, th)
     found.sort(key=lambda f: -f.confidence)
     return Diagnosis(job=v.job, source=v.source, start=v.start, end=v.end, ranks=len(v.rank_node),
-                     nodes=len(v.nodes), steps=s["steps"], scores=s, findings=found, notes=notes)
+                     nodes=len(v.nodes), steps=s["steps"], scores=s, findings=found, notes=notes,
+                     estimated=[] if v.has_exact() else list(ESTIMATED_SCORES))
 
 
 # ---------------------------------------------------------------- CLI
 
 def summary(d: Diagnosis) -> str:
     s = d.scores
+    est = estimate_mark(d)
     lines = [f"syncwatch diagnose: train job {d.job} — {d.ranks} ranks on {d.nodes} nodes, "
              f"{d.steps:,.0f} steps ({d.source})",
              f"  mean step {ms(s['mean_step_seconds'])}, sync tax {pct(s['sync_tax'])}, coupling "
-             f"{pct(s['coupling'])}, step CV {pct(s['step_cv'])}, straggler concentration "
-             f"{pct(s['straggler_concentration'])}"]
+             f"{pct(s['coupling'])}{est('coupling')}, step CV {pct(s['step_cv'])}, straggler concentration "
+             f"{pct(s['straggler_concentration'])}{est('straggler_concentration')}"]
     if d.healthy:
         lines.append("  no structural problem found")
     for i, f in enumerate(d.findings, 1):
@@ -503,6 +532,11 @@ def summary(d: Diagnosis) -> str:
         lines.append("")
         lines += [f"  note: {n}" for n in d.notes]
     return "\n".join(lines)
+
+
+def estimate_mark(d: Diagnosis):
+    """``mark(score)``: the words that follow an estimated score's value ("" for a measured one)."""
+    return lambda name: " (estimated from mean waits)" if name in d.estimated else ""
 
 
 def register(subparsers) -> None:

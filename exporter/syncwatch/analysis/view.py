@@ -10,6 +10,10 @@ Two producers fill the same structure:
 Per window and rank it holds steps, step seconds, sync seconds, slack seconds, last arrivals and
 samples; per window the job's step CV, lag-1 autocorrelation, restarts and re-run steps; per window
 and node the hardware series present (temperature, thermal throttling, fabric congestion, bytes).
+
+A job without the exact skew exchange (K = 0) exports no slack or last arrivals. Its view then
+reads estimates of both from each rank's mean wait per window (``estimate_from_waits``), as the
+rules do per minute (docs/rules.md, "Without the skew exchange"); ``has_exact()`` tells which.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import cached_property
 
+from ..rules.thresholds import THRESHOLDS
 from .common import AnalysisError
 from .prom import Prometheus, label, quote
 
@@ -79,13 +85,25 @@ class JobView:
     def nodes(self) -> list[str]:
         return sorted(set(self.rank_node.values()))
 
+    def rows(self, name: str) -> dict[int, list[float | None]]:
+        """Rank -> per-window values of ``name``; slack and last arrivals estimated without the exchange."""
+        estimates = self._estimates
+        return estimates[name] if estimates is not None and name in estimates else self.per_rank[name]
+
+    @cached_property
+    def _estimates(self) -> dict[str, dict[int, list[float | None]]] | None:
+        """None with the exchange's results in range; else ``estimate_from_waits`` (computed once)."""
+        exact = any(x is not None and math.isfinite(x) and x > 0
+                    for row in self.per_rank["last_arrivals"].values() for x in row)
+        return None if exact else estimate_from_waits(self)
+
     def total(self, name: str, rank: int | None = None) -> float:
-        rows = [self.per_rank[name].get(rank, [])] if rank is not None else self.per_rank[name].values()
+        rows = [self.rows(name).get(rank, [])] if rank is not None else self.rows(name).values()
         return sum(v for row in rows for v in row if v is not None and math.isfinite(v))
 
     def window_sum(self, name: str) -> list[float]:
         out = [0.0] * len(self.times)
-        for row in self.per_rank[name].values():
+        for row in self.rows(name).values():
             for i, v in enumerate(row):
                 if v is not None and math.isfinite(v):
                     out[i] += v
@@ -105,7 +123,8 @@ class JobView:
         return self.ratio_series("slack_seconds", "step_seconds")
 
     def collective_series(self) -> list[float | None]:
-        """Mean collective time per step: the wait not explained by slack (= the smallest wait).
+        """Mean collective time per step: the wait not explained by slack (= the smallest wait;
+        without the exchange, the smallest mean wait of the window).
 
         Slack lands once per skew exchange (every K steps) while the waits land every step, so a
         window holds the slack of a few steps before it and lacks that of its last few. Over a
@@ -121,11 +140,12 @@ class JobView:
                 for a, b, s, t in zip(sync, slack, steps, busy)]
 
     def has_exact(self) -> bool:
-        return self.total("last_arrivals") > 0
+        """Whether slack and last arrivals are the exchange's counts, not estimates from mean waits."""
+        return self._estimates is None
 
     def node_last_arrivals(self) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {n: [0.0] * len(self.times) for n in self.nodes}
-        for rank, row in self.per_rank["last_arrivals"].items():
+        for rank, row in self.rows("last_arrivals").items():
             node = self.rank_node.get(rank)
             if node is None:
                 continue
@@ -148,6 +168,42 @@ class JobView:
         """Job steps per window (the mean over ranks of each rank's steps)."""
         n = max(1, len(self.rank_node))
         return [s / n for s in self.window_sum("steps")]
+
+
+def estimate_from_waits(v: JobView) -> dict[str, dict[int, list[float | None]]]:
+    """Slack and last arrivals per rank and window, estimated from the ranks' mean waits.
+
+    Every rank is released from the collective together, so a difference of mean waits over a
+    window is a difference of mean arrival times. With w̄ᵢ rank i's mean wait (sync seconds /
+    steps) in the window: its slack is (w̄ᵢ − minⱼ w̄ⱼ) × its steps; the window's steps count as
+    last arrivals of the rank with the smallest mean wait, shared equally with every rank within
+    ``last_arrival_tie`` of the mean step of it (the rules' estimate, per window instead of per
+    minute). A persistent straggler is estimated well; jitter whose last rank changes from step
+    to step averages out, so both are lower bounds. A window with fewer than two ranks reporting
+    has no estimate (None).
+    """
+    tie = THRESHOLDS.last_arrival_tie
+    slack: dict[int, list[float | None]] = {r: [None] * len(v.times) for r in v.per_rank["steps"]}
+    last: dict[int, list[float | None]] = {r: [None] * len(v.times) for r in v.per_rank["steps"]}
+    for i in range(len(v.times)):
+        steps, step_s, waits = {}, 0.0, {}
+        for r, row in v.per_rank["steps"].items():
+            n = row[i]
+            sync = v.per_rank["sync_seconds"].get(r, [None] * len(v.times))[i]
+            busy = v.per_rank["step_seconds"].get(r, [None] * len(v.times))[i]
+            if n and n > 0 and sync is not None and busy is not None:
+                steps[r], waits[r] = n, sync / n
+                step_s += busy
+        if len(waits) < 2:
+            continue
+        least = min(waits.values())
+        mean_step = step_s / sum(steps.values())
+        tied = [r for r, w in waits.items() if w - least <= tie * mean_step]
+        job_steps = sum(steps.values()) / len(steps)
+        for r, w in waits.items():
+            slack[r][i] = (w - least) * steps[r]
+            last[r][i] = job_steps / len(tied) if r in tied else 0.0
+    return {"slack_seconds": slack, "last_arrivals": last}
 
 
 # ---------------------------------------------------------------- time range
