@@ -12,7 +12,7 @@ import pytest
 from analysis_helpers import SCENARIO_MODES, run_cli
 from conftest import subprocess_env
 from syncwatch.analysis import recording
-from syncwatch.analysis.diagnose import diagnose
+from syncwatch.analysis.diagnose import diagnose, summary
 
 sim = pytest.importorskip("syncwatch.sim.scenarios", reason="the simulator (syncwatch.sim) is not in this checkout")
 
@@ -57,6 +57,22 @@ def test_straggler_on_a_throttling_node_is_also_thermal_with_high_confidence():
     assert any("18.0 °C hotter" in e["reading"] for e in thermal.evidence)
 
 
+def test_straggler_on_a_throttling_node_without_the_skew_exchange_is_also_thermal():
+    """The node of a straggler named from mean waits is checked against GPU telemetry as with the
+    exchange; a straggling node moving between nodes is not looked for, and the notes say so."""
+    run = recorded("straggler")
+    ts = [s["t"] for s in run["steps"]]
+    run["hardware"] = {
+        "gpu_thermal_throttle": {f"sim-node-{n:02d}": [[t, 1.0 if n == 0 else 0.0] for t in ts] for n in range(4)},
+    }
+    d = diagnose(_without_skew_exchange(recording.to_view(run, "test")))
+    modes = {f.mode: f for f in d.findings}
+    assert set(modes) == {"straggler_persistent", "thermal_coupling"}
+    assert modes["thermal_coupling"].subject == {"node": "sim-node-00"} and modes["thermal_coupling"].confidence >= 0.9
+    assert ("no exact last arrivals (skew exchange off): a straggling node that moves between nodes not assessed; "
+            "only a persistent straggler's node is checked against GPU telemetry") in d.notes
+
+
 def test_congestion_counters_following_the_collective_raise_confidence():
     run = recorded("congestion")
     # IB transmit waits high exactly in the congested steps (collective well above its baseline)
@@ -88,6 +104,23 @@ def test_contention_without_the_skew_exchange_does_not_claim_arrival_spread_was_
     assert f.evidence[0]["series"] == ("collective time per step (estimated) = smallest mean wait of the "
                                        "ranks (skew exchange off)")
     assert f.confidence_word == "low" and f.confidence == pytest.approx(with_slack[0].confidence - 0.2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_healthy_job_without_the_skew_exchange_is_not_said_to_be_free_of_what_was_not_measured(seed):
+    """It read "no structural problem found" with a note that thermal causes were "inferred from
+    arrival patterns", though without last arrivals neither jitter nor a straggling node moving
+    between nodes had been looked at."""
+    d = diagnose(_without_skew_exchange(recording.to_view(recorded("healthy", seed), "test")))
+    assert d.healthy
+    assert d.verdict == ("no structural problem found in what could be measured: without the skew exchange, "
+                         "transient jitter and a straggling node that moves between nodes are not ruled out")
+    assert d.to_dict()["verdict"] == d.verdict and f"  {d.verdict}" in summary(d).splitlines()
+    assert not any("arrival patterns" in n for n in d.notes), d.notes
+    assert any("transient jitter is not ruled out" in n for n in d.notes), d.notes
+    assert any("thermal coupling not assessed" in n for n in d.notes), d.notes
+    exact = diagnose(recording.to_view(recorded("healthy", seed), "test"))
+    assert exact.verdict == "no structural problem found"
 
 
 def test_a_straggler_appearing_without_the_skew_exchange_is_not_contention():

@@ -151,6 +151,15 @@ def test_straggler_without_the_skew_exchange_is_named_from_mean_waits(cluster, m
     assert "n/a" not in text and "nan" not in text.lower()
 
 
+def test_healthy_job_without_the_skew_exchange_is_healthy_with_what_was_not_measured(cluster, monkeypatch, capsys):
+    d = json.loads(_run(monkeypatch, capsys, *cluster, "diagnose", "healthy-k0", "--json"))
+    assert d["findings"] == [] and d["healthy"], d["findings"]
+    assert "transient jitter and a straggling node that moves between nodes are not ruled out" in d["verdict"]
+    assert d["scores"]["coupling"] < 0.025 and d["scores"]["straggler_concentration"] < 0.5, d["scores"]
+    text = _run(monkeypatch, capsys, *cluster, "diagnose", "healthy-k0")
+    assert "arrival patterns" not in text and "n/a" not in text and "nan" not in text.lower(), text
+
+
 def test_unknown_job_and_empty_range_exit_2(cluster, monkeypatch, capsys):
     url, ranges = cluster
     start, end = ranges["healthy"]

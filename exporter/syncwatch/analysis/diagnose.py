@@ -86,12 +86,19 @@ class Diagnosis:
     def healthy(self) -> bool:
         return not self.findings
 
+    @property
+    def verdict(self) -> str:
+        if self.findings:
+            return f"{len(self.findings)} structural problem(s) found"
+        if self.estimated:
+            return ("no structural problem found in what could be measured: without the skew exchange, "
+                    "transient jitter and a straggling node that moves between nodes are not ruled out")
+        return "no structural problem found"
+
     def to_dict(self) -> dict:
         return {"job": self.job, "source": self.source, "start": self.start, "end": self.end,
                 "ranks": self.ranks, "nodes": self.nodes, "steps": self.steps, "scores": self.scores,
-                "estimated": self.estimated, "healthy": self.healthy,
-                "verdict": "no structural problem found" if self.healthy else
-                           f"{len(self.findings)} structural problem(s) found",
+                "estimated": self.estimated, "healthy": self.healthy, "verdict": self.verdict,
                 "findings": [f.to_dict() for f in self.findings], "notes": self.notes}
 
 
@@ -483,14 +490,25 @@ def detect_restarts(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
 def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
     s = scores(v)
     notes = []
-    if not v.has_exact():
+    exact = v.has_exact()
+    if not exact:
         notes.append("no slack / last-arrival counters (exact skew exchange off): slack, coupling and last "
                      "arrivals are estimated from each rank's mean wait per window, which names a persistent "
-                     "straggler; jitter whose last rank changes from step to step averages out of them")
-    if not any(n in v.hardware for n in ("gpu_temperature_celsius", "gpu_thermal_throttle")):
+                     "straggler; jitter whose last rank changes from step to step averages out of them, so "
+                     "transient jitter is not ruled out")
+    gpu = any(n in v.hardware for n in ("gpu_temperature_celsius", "gpu_thermal_throttle"))
+    if exact and not gpu:
         notes.append("no GPU telemetry in range: thermal causes inferred from arrival patterns only")
+    elif gpu:
+        notes.append("no exact last arrivals (skew exchange off): a straggling node that moves between nodes "
+                     "not assessed; only a persistent straggler's node is checked against GPU telemetry")
+    else:
+        notes.append("no GPU telemetry in range and no exact last arrivals (skew exchange off): thermal "
+                     "coupling not assessed")
     if not any(n in v.hardware for n in CONGESTION_SERIES):
-        notes.append("no InfiniBand/RoCE congestion counters in range: fabric contention inferred from collective time only")
+        notes.append("no InfiniBand/RoCE congestion counters in range: fabric contention inferred from "
+                     + ("collective time only" if exact else
+                        "the collective time estimated as the smallest mean wait only"))
     if not any(n in v.hardware for n in BYTES_SERIES):
         notes.append("no NIC/IB byte counters in range: topology mismatch not assessed")
     found: list[Finding] = []
@@ -519,7 +537,7 @@ def summary(d: Diagnosis) -> str:
              f"{pct(s['coupling'])}{est('coupling')}, step CV {pct(s['step_cv'])}, straggler concentration "
              f"{pct(s['straggler_concentration'])}{est('straggler_concentration')}"]
     if d.healthy:
-        lines.append("  no structural problem found")
+        lines.append(f"  {d.verdict}")
     for i, f in enumerate(d.findings, 1):
         lines.append(f"\n{i}. {f.title}  [confidence {f.confidence_word}, {f.confidence:.2f}]")
         lines.append(f"   observed: {f.phenomenon}")

@@ -52,7 +52,7 @@ def build(view: JobView, run_data: dict | None, proj_options: Options = Options(
     html = ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>syncwatch report: {escape(view.job)}</title><style>{CSS}</style></head><body>"
             + "".join(body) + "</body></html>")
-    summary = {"job": view.job, "sections": list(SECTIONS), "healthy": d.healthy,
+    summary = {"job": view.job, "sections": list(SECTIONS), "healthy": d.healthy, "verdict": d.verdict,
                "findings": [f.mode for f in d.findings], "svg": html.count("<svg"),
                "projection": proj is not None}
     return html, summary
@@ -72,7 +72,7 @@ def _diagnosis_section(d: Diagnosis) -> str:
             f"{pct(s['coupling'])} · step CV {pct(s['step_cv'])} · straggler concentration "
             f"{pct(s['straggler_concentration'])} · {d.steps:,.0f} steps</p>")
     if d.healthy:
-        items = '<div class="healthy"><strong>No structural problem found.</strong></div>'
+        items = f'<div class="healthy"><strong>{escape(d.verdict[:1].upper() + d.verdict[1:])}.</strong></div>'
     else:
         items = ""
         for f in d.findings:
@@ -193,6 +193,6 @@ def run(args) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print(f"syncwatch report: wrote {out} ({len(html) / 1024:.0f} KiB, {summary['svg']} plots; "
-              + ("no structural problem found" if summary["healthy"] else
+              + (summary["verdict"] if summary["healthy"] else
                  f"findings: {', '.join(summary['findings'])}") + ")")
     return 0
