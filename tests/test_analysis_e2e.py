@@ -160,6 +160,16 @@ def test_healthy_job_without_the_skew_exchange_is_healthy_with_what_was_not_meas
     assert "arrival patterns" not in text and "n/a" not in text and "nan" not in text.lower(), text
 
 
+@pytest.mark.parametrize("name", [f"{n}-k0" for n in WITHOUT_EXCHANGE])
+def test_project_without_the_skew_exchange_says_what_it_estimated(cluster, name, monkeypatch, capsys):
+    """It exited 2: "the projection needs slack counters ... turn on the exact skew exchange"."""
+    res = json.loads(_run(monkeypatch, capsys, *cluster, "project", name, "--json"))
+    assert res["measured"]["estimated"] == ["coupling", "sigma", "collective"]
+    assert res["model_at_measured"]["mean_step_seconds"] == pytest.approx(res["measured"]["mean_step"], rel=0.05)
+    assert res["projections"][-1]["mean_step_seconds"] > res["model_at_measured"]["mean_step_seconds"]
+    assert "estimated  from mean waits (skew exchange off)" in _run(monkeypatch, capsys, *cluster, "project", name)
+
+
 def test_unknown_job_and_empty_range_exit_2(cluster, monkeypatch, capsys):
     url, ranges = cluster
     start, end = ranges["healthy"]

@@ -66,6 +66,26 @@ def test_strong_scaling_finds_a_sync_wall():
     assert max(curve, key=curve.get) == wall["nodes"]
 
 
+def test_projection_without_the_skew_exchange_says_its_inputs_are_estimated():
+    """Without slack counters the projection refused to run ("turn on the exact skew exchange"),
+    and the report had no projection. It now fits sigma to the slack estimated from mean waits."""
+    run = simulate(4, 600, seed=2, straggler_rank=5, straggler_slowdown=0.08)
+    exact_view = recording.to_view(run, "test")
+    view = recording.to_view(run, "test")
+    for name in ("slack_seconds", "last_arrivals"):   # what Prometheus holds for a K = 0 job
+        view.per_rank[name] = {}
+    exact, m = project.measure_view(exact_view), project.measure_view(view)
+    assert (exact.estimated, m.estimated) == ([], ["coupling", "sigma", "collective"])
+    # a persistent straggler's lead is the same in every step: the estimates are close to exact
+    assert m.coupling == pytest.approx(exact.coupling, rel=0.1) and m.sigma == pytest.approx(exact.sigma, rel=0.1)
+    assert m.collective == pytest.approx(exact.collective, rel=0.05)
+    res = project.projection(m, [8, 16], project.Options(), 256)
+    assert res["measured"]["estimated"] == ["coupling", "sigma", "collective"]
+    assert all(math.isfinite(p["mean_step_seconds"]) for p in res["projections"])
+    assert "estimated  from mean waits (skew exchange off)" in project.summary(res)
+    assert "estimated" not in project.summary(project.projection(exact, [8], project.Options(), 256))
+
+
 def test_cli_offline(tmp_path, monkeypatch, capsys):
     path = tmp_path / "run.json"
     recording.save(simulate(2, 300, seed=1), path)

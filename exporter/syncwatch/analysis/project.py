@@ -9,7 +9,9 @@ A synchronous step ends when the slowest rank arrives, plus the collective:
   (heavy tails, rare stalls and persistent stragglers carry over). From Prometheus counters
   only, per-rank compute is taken as Gaussian, ``sigma`` fitted to the mean slack:
   ``mean slack = E[M] - mu = sigma e_R``, and ``E[M'] = mu + sigma e_R'`` (``e_N`` = expected
-  maximum of N standard normals, ``orderstats``).
+  maximum of N standard normals, ``orderstats``). Without the skew exchange the slack, and with
+  it ``sigma``, the coupling and the collective, are estimated from mean waits (``JobView``):
+  jitter averages out of them, so the projection's growth is a floor, and it says so.
 * collective — the baseline (median) collective time grows with the inter-node all-reduce:
   ring ``(n'-1)/n' / ((n-1)/n)`` of bandwidth term plus ``2 (n'-n) alpha``; tree
   ``ceil(log2 n') / ceil(log2 n)``; ``none`` keeps it as measured (the simulator's assumption).
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .. import cli
 from .common import AnalysisError, command, emit_json, pct
@@ -38,6 +40,8 @@ from .source import add_source_flags, view_from_args
 from .view import JobView
 
 EPISODE = 1.5  # a step's collective above this x baseline is a congestion episode
+# measured inputs read from slack, estimated from mean waits without the skew exchange
+ESTIMATED = ["coupling", "sigma", "collective"]
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Measurement:
     coupling: float | None
     sigma: float | None = None       # gaussian method
     step_max_compute: list[float] | None = None  # recorded method: per-step max compute, sorted
+    estimated: list[str] = field(default_factory=list)  # inputs estimated from mean waits (K = 0)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -100,9 +105,6 @@ def measure_view(v: JobView) -> Measurement:
     """From Prometheus counters: windowed sums; per-rank compute taken as Gaussian."""
     steps = v.total("steps")
     ranks = len(v.rank_node)
-    if not v.has_exact():
-        raise AnalysisError("the projection needs slack counters (syncwatch_slack_seconds_total): "
-                            "turn on the exact skew exchange")
     step_s, sync, slack = v.total("step_seconds"), v.total("sync_seconds"), v.total("slack_seconds")
     mean_step = step_s / steps
     mu = (step_s - sync) / steps
@@ -119,7 +121,8 @@ def measure_view(v: JobView) -> Measurement:
                        method="prometheus counters (gaussian)", mean_compute=mu, collective=c,
                        congestion_probability=min(1.0, excess), congestion_inflation=2.0 if excess else 1.0,
                        samples_per_rank_step=v.samples_per_rank_step, mean_step=mean_step,
-                       step_cv=sum(cv) / len(cv) if cv else None, coupling=slack / step_s, sigma=sigma)
+                       step_cv=sum(cv) / len(cv) if cv else None, coupling=slack / step_s, sigma=sigma,
+                       estimated=[] if v.has_exact() else list(ESTIMATED))
 
 
 def _max_moments(sorted_sample: list[float], k: float) -> tuple[float, float]:
@@ -256,6 +259,9 @@ def summary(res: dict) -> str:
              f"  measured   mean step {1e3 * m['mean_step']:.1f} ms, step CV {pct(m['step_cv'])}, coupling "
              f"{pct(m['coupling'])}; collective {1e3 * m['collective']:.1f} ms, congestion episodes "
              f"{pct(m['congestion_probability'])} of steps",
+             *(["  estimated  from mean waits (skew exchange off): coupling and sigma are lower bounds "
+                "(jitter averages out of them), the collective an upper bound (it keeps that jitter); the "
+                "projected coupling and slowest-rank growth are a floor"] if m["estimated"] else []),
              "",
              f"  {'nodes':>6} {'ranks':>6} {'step':>10} {'step CV':>8} {'coupling':>9} {'throughput':>14} {'efficiency':>10}",
              f"  {base['nodes']:>6} {base['ranks']:>6} {1e3 * base['mean_step_seconds']:>8.1f}ms "
