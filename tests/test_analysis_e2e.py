@@ -167,7 +167,19 @@ def test_project_without_the_skew_exchange_says_what_it_estimated(cluster, name,
     assert res["measured"]["estimated"] == ["coupling", "sigma", "collective"]
     assert res["model_at_measured"]["mean_step_seconds"] == pytest.approx(res["measured"]["mean_step"], rel=0.05)
     assert res["projections"][-1]["mean_step_seconds"] > res["model_at_measured"]["mean_step_seconds"]
-    assert "estimated  from mean waits (skew exchange off)" in _run(monkeypatch, capsys, *cluster, "project", name)
+    assert "estimated from mean waits (skew exchange off)" in _run(monkeypatch, capsys, *cluster, "project", name)
+
+
+@pytest.mark.parametrize("name", [f"{n}-k0" for n in WITHOUT_EXCHANGE])
+def test_report_without_the_skew_exchange_fills_every_section(cluster, name, tmp_path, monkeypatch, capsys):
+    """Its straggler map and projection were empty charts, its coupling line a false 0 %."""
+    html = tmp_path / "r.html"
+    summary = json.loads(_run(monkeypatch, capsys, *cluster, "report", name, "--output", str(html), "--json"))
+    assert summary["projection"] and summary["healthy"] == (name == "healthy-k0"), summary
+    text = html.read_text()
+    assert "Estimated last arrivals per rank (rank node)" in text and "no data in range" not in text
+    assert "no projection" not in text and "n/a" not in text and "nan" not in text.lower()
+    assert text.count("<svg") >= 9
 
 
 def test_unknown_job_and_empty_range_exit_2(cluster, monkeypatch, capsys):

@@ -82,7 +82,7 @@ def test_projection_without_the_skew_exchange_says_its_inputs_are_estimated():
     res = project.projection(m, [8, 16], project.Options(), 256)
     assert res["measured"]["estimated"] == ["coupling", "sigma", "collective"]
     assert all(math.isfinite(p["mean_step_seconds"]) for p in res["projections"])
-    assert "estimated  from mean waits (skew exchange off)" in project.summary(res)
+    assert "estimated from mean waits (skew exchange off)" in project.summary(res)
     assert "estimated" not in project.summary(project.projection(exact, [8], project.Options(), 256))
 
 

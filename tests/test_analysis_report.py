@@ -11,7 +11,7 @@ import pytest
 
 from analysis_helpers import run_cli
 from syncwatch.analysis import recording, svg
-from syncwatch.analysis.report import SECTIONS
+from syncwatch.analysis.report import SECTIONS, build
 
 sim = pytest.importorskip("syncwatch.sim.scenarios", reason="the simulator (syncwatch.sim) is not in this checkout")
 
@@ -90,6 +90,33 @@ def test_report_renders_its_sections_and_plots_in_headless_chromium(report_file,
     shot = d / "report.png"
     chromium("--window-size=1000,2400", f"--screenshot={shot}", out.as_uri(), cwd=d)
     assert shot.exists() and shot.stat().st_size > 20_000
+
+
+def _text(html: str, section: str) -> str:
+    inner = re.search(rf'<section id="{section}">(.*?)</section>', html, re.S).group(1)
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", inner))
+
+
+def test_report_without_the_skew_exchange_maps_and_projects_from_estimates():
+    """With K = 0 the straggler map was an empty chart ("no last-arrival counters"), the projection
+    one too ("no projection: ... turn on the exact skew exchange"), and the coupling line was
+    drawn at 0 % beside an unmarked collective time that was the whole mean wait."""
+    run = recording.from_ground_truth(sim.run_scenario("straggler", nodes=4, ranks_per_node=8), start_wall=1.7e9)
+    view = recording.to_view(run, "test")
+    for name in ("slack_seconds", "last_arrivals"):   # what Prometheus holds for a K = 0 job
+        view.per_rank[name] = {}
+    html, summary = build(view, None)
+    assert summary["findings"] == ["straggler_persistent"] and summary["projection"], summary
+    straggler_map = _text(html, "straggler-map")
+    assert "Estimated share of each window's last arrivals (skew exchange off)" in straggler_map
+    assert "Estimated last arrivals per rank (rank node)" in straggler_map
+    assert "no last-arrival counters" not in html and "no data in range" not in html
+    assert html.count('fill="rgb(170,0,0)"') >= 20   # rank 5 takes whole windows: full-share cells
+    assert "coupling (est.)" in _text(html, "scores") and "collective (est.)" in _text(html, "scores")
+    assert "Collective time per step (estimated: smallest mean wait)" in _text(html, "hardware")
+    assert "coupling 6.0 % (estimated from mean waits)" in _text(html, "diagnosis")
+    assert "estimated from mean waits (skew exchange off)" in _text(html, "projection")
+    assert "n/a" not in html and "nan" not in html.lower()
 
 
 def test_svg_charts_handle_gaps_and_empty_data():

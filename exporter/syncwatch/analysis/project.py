@@ -42,6 +42,9 @@ from .view import JobView
 EPISODE = 1.5  # a step's collective above this x baseline is a congestion episode
 # measured inputs read from slack, estimated from mean waits without the skew exchange
 ESTIMATED = ["coupling", "sigma", "collective"]
+ESTIMATE_NOTE = ("estimated from mean waits (skew exchange off): coupling and sigma are lower bounds (jitter "
+                 "averages out of them), the collective an upper bound (it keeps that jitter); the projected "
+                 "coupling and slowest-rank growth are a floor")
 
 
 @dataclass
@@ -259,9 +262,7 @@ def summary(res: dict) -> str:
              f"  measured   mean step {1e3 * m['mean_step']:.1f} ms, step CV {pct(m['step_cv'])}, coupling "
              f"{pct(m['coupling'])}; collective {1e3 * m['collective']:.1f} ms, congestion episodes "
              f"{pct(m['congestion_probability'])} of steps",
-             *(["  estimated  from mean waits (skew exchange off): coupling and sigma are lower bounds "
-                "(jitter averages out of them), the collective an upper bound (it keeps that jitter); the "
-                "projected coupling and slowest-rank growth are a floor"] if m["estimated"] else []),
+             *([f"  {ESTIMATE_NOTE}"] if m["estimated"] else []),
              "",
              f"  {'nodes':>6} {'ranks':>6} {'step':>10} {'step CV':>8} {'coupling':>9} {'throughput':>14} {'efficiency':>10}",
              f"  {base['nodes']:>6} {base['ranks']:>6} {1e3 * base['mean_step_seconds']:>8.1f}ms "

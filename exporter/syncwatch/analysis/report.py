@@ -16,8 +16,9 @@ from pathlib import Path
 from .. import __version__, cli
 from . import svg
 from .common import AnalysisError, command, ms, pct
-from .diagnose import Diagnosis, diagnose
-from .project import Options, measurement, projection
+from ..rules.thresholds import THRESHOLDS
+from .diagnose import Diagnosis, diagnose, estimate_mark
+from .project import ESTIMATE_NOTE, Options, measurement, projection
 from .source import add_source_flags, view_from_args
 from .view import CONGESTION_SERIES, JobView
 
@@ -68,9 +69,10 @@ def _section(key: str, title: str, inner: str) -> str:
 
 def _diagnosis_section(d: Diagnosis) -> str:
     s = d.scores
+    est = estimate_mark(d)
     head = (f"<p>Mean step {ms(s['mean_step_seconds'])} · sync tax {pct(s['sync_tax'])} · coupling "
-            f"{pct(s['coupling'])} · step CV {pct(s['step_cv'])} · straggler concentration "
-            f"{pct(s['straggler_concentration'])} · {d.steps:,.0f} steps</p>")
+            f"{pct(s['coupling'])}{est('coupling')} · step CV {pct(s['step_cv'])} · straggler concentration "
+            f"{pct(s['straggler_concentration'])}{est('straggler_concentration')} · {d.steps:,.0f} steps</p>")
     if d.healthy:
         items = f'<div class="healthy"><strong>{escape(d.verdict[:1].upper() + d.verdict[1:])}.</strong></div>'
     else:
@@ -87,37 +89,47 @@ def _diagnosis_section(d: Diagnosis) -> str:
     return _section("diagnosis", "Diagnosis", head + items + notes)
 
 
+ESTIMATED_NOTE = ('<p class="note">Skew exchange off: slack, coupling, last arrivals and the collective time '
+                  "are estimated from each rank's mean wait per window (marked est.).</p>")
+
+
 def _scores_section(v: JobView) -> str:
     t = v.times
+    est = "" if v.has_exact() else " (est.)"
     charts = [
-        svg.line_chart("Mean step time", t, {"step": v.mean_step_series(), "collective": v.collective_series()}, unit="s"),
-        svg.line_chart("Sync tax and coupling", t, {"sync tax": v.sync_tax_series(), "coupling": v.coupling_series()}, unit="%"),
+        svg.line_chart("Mean step time", t, {"step": v.mean_step_series(), f"collective{est}": v.collective_series()},
+                       unit="s"),
+        svg.line_chart("Sync tax and coupling", t, {"sync tax": v.sync_tax_series(), f"coupling{est}": v.coupling_series()},
+                       unit="%"),
         svg.line_chart("Step-time variation", t, {"step CV": v.cv}, unit="%"),
         svg.line_chart("Lag-1 autocorrelation of step time", t, {"autocorrelation": v.autocorrelation}),
     ]
     if any(x for x in v.restarts if x):
         charts.append(svg.line_chart("Restarts and re-run steps", t,
                                      {"restarts": v.restarts, "re-run steps": v.rerun_steps}))
-    return _section("scores", "Scores over time", "".join(charts))
+    note = "" if v.has_exact() else ESTIMATED_NOTE
+    return _section("scores", "Scores over time", note + "".join(charts))
 
 
 def _straggler_section(v: JobView) -> str:
-    if not v.has_exact():
-        return _section("straggler-map", "Straggler map",
-                        svg.empty_chart("Last arrivals per rank", "no last-arrival counters (exact skew exchange off)"))
     ranks = v.ranks
     per_window_total = v.window_sum("last_arrivals")
     matrix = []
     for r in ranks:
-        row = v.per_rank["last_arrivals"].get(r, [])
+        row = v.rows("last_arrivals").get(r, [])
         matrix.append([(x / tot if tot else None) if x is not None else None for x, tot in zip(row, per_window_total)])
     labels = [f"{r} {v.rank_node[r]}" for r in ranks]
     by_node = v.node_last_arrivals()
     node_matrix = [[(x / tot if tot else None) for x, tot in zip(by_node[n], per_window_total)] for n in v.nodes]
-    return _section("straggler-map", "Straggler map",
-                    "<p>Share of each window's last arrivals (the rank everyone waited for).</p>"
-                    + svg.heatmap("Last arrivals per rank (rank node)", labels, matrix, max_value=1.0)
-                    + svg.heatmap("Last arrivals per node", v.nodes, node_matrix, max_value=1.0))
+    caption = ("<p>Share of each window's last arrivals (the rank everyone waited for).</p>" if v.has_exact() else
+               "<p>Estimated share of each window's last arrivals (skew exchange off): the rank with the smallest "
+               "mean wait of the window, shared with the ranks within "
+               f"{pct(THRESHOLDS.last_arrival_tie)} of the step of it. Jitter averages out of mean waits: a "
+               "healthy job shares every window among its ranks.</p>")
+    what = "Last arrivals" if v.has_exact() else "Estimated last arrivals"
+    return _section("straggler-map", "Straggler map", caption
+                    + svg.heatmap(f"{what} per rank (rank node)", labels, matrix, max_value=1.0)
+                    + svg.heatmap(f"{what} per node", v.nodes, node_matrix, max_value=1.0))
 
 
 def _hardware_section(v: JobView) -> str:
@@ -133,7 +145,8 @@ def _hardware_section(v: JobView) -> str:
         rows = v.hardware.get(name)
         if rows:
             charts.append(svg.line_chart(title, t, dict(sorted(rows.items()))))
-    charts.append(svg.line_chart("Collective time per step (wait not explained by slack)", t,
+    charts.append(svg.line_chart("Collective time per step (wait not explained by slack)" if v.has_exact() else
+                                 "Collective time per step (estimated: smallest mean wait)", t,
                                  {"collective": v.collective_series()}, unit="s"))
     note = "" if v.hardware else '<p class="note">No GPU or fabric telemetry in range.</p>'
     if not any(n in v.hardware for n in CONGESTION_SERIES):
@@ -159,10 +172,11 @@ def _projection_section(proj: dict | None, error: str | None) -> str:
     wall_text = (f"Sync wall: {wall['nodes']} nodes — beyond it adding nodes no longer shortens the job."
                  if wall["reached"] else f"Sync wall not reached up to {wall['max_nodes']} nodes.")
     m = proj["measured"]
+    note = f'<p class="note">{escape(ESTIMATE_NOTE)}.</p>' if m["estimated"] else ""
     return _section("projection", "Scaling projection",
                     f"<p>Measured {m['ranks']} ranks on {m['nodes']} nodes ({escape(m['method'])}); "
                     f"{proj['options']['scaling']} scaling, {proj['options']['algorithm']} all-reduce. "
-                    f"{escape(wall_text)}</p>" + table
+                    f"{escape(wall_text)}</p>" + note + table
                     + svg.line_chart("Projected throughput", ns, {"throughput": [c["throughput"] for c in curve]},
                                      x_label="nodes (log scale)", x_is_time=False, log_x=True)
                     + svg.line_chart("Projected mean step time", ns,
