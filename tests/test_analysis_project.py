@@ -69,7 +69,7 @@ def test_strong_scaling_finds_a_sync_wall():
 def test_projection_without_the_skew_exchange_says_its_inputs_are_estimated():
     """Without slack counters the projection refused to run ("turn on the exact skew exchange"),
     and the report had no projection. It now fits sigma to the slack estimated from mean waits."""
-    run = simulate(4, 600, seed=2, straggler_rank=5, straggler_slowdown=0.08)
+    run = simulate(4, 300, seed=2, straggler_rank=5, straggler_slowdown=0.08)
     exact_view = recording.to_view(run, "test")
     view = recording.to_view(run, "test")
     for name in ("slack_seconds", "last_arrivals"):   # what Prometheus holds for a K = 0 job
