@@ -134,6 +134,13 @@ def test_a_straggler_appearing_without_the_skew_exchange_is_not_contention():
             ("straggler_persistent", {"rank": sim.straggler_rank(32), "node": "sim-node-00"})]
 
 
+@pytest.mark.parametrize("name", sorted(set(SCENARIO_MODES) - {"thermal"}))
+def test_without_the_skew_exchange_each_scenario_keeps_its_mode(name):
+    """``thermal`` is left out: its straggling node rotates, which needs exact last arrivals."""
+    d = diagnose(_without_skew_exchange(recording.to_view(recorded(name), "test")))
+    assert {f.mode for f in d.findings} == SCENARIO_MODES[name], [f.title for f in d.findings]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_without_the_skew_exchange_a_persistent_straggler_is_named_from_mean_waits(seed):
     """It read as healthy: with no last-arrival counters the straggler was not looked for."""
