@@ -14,9 +14,9 @@ from html import escape
 from pathlib import Path
 
 from .. import __version__, cli
+from ..rules.thresholds import THRESHOLDS
 from . import svg
 from .common import AnalysisError, command, ms, pct
-from ..rules.thresholds import THRESHOLDS
 from .diagnose import Diagnosis, diagnose, estimate_mark
 from .project import ESTIMATE_NOTE, Options, measurement, projection
 from .source import add_source_flags, view_from_args
@@ -89,8 +89,8 @@ def _diagnosis_section(d: Diagnosis) -> str:
     return _section("diagnosis", "Diagnosis", head + items + notes)
 
 
-ESTIMATED_NOTE = ('<p class="note">Skew exchange off: slack, coupling, last arrivals and the collective time '
-                  "are estimated from each rank's mean wait per window (marked est.).</p>")
+SCORES_ESTIMATED_NOTE = ('<p class="note">Skew exchange off: slack, coupling, last arrivals and the collective '
+                         "time are estimated from each rank's mean wait per window (marked est.).</p>")
 
 
 def _scores_section(v: JobView) -> str:
@@ -107,7 +107,7 @@ def _scores_section(v: JobView) -> str:
     if any(x for x in v.restarts if x):
         charts.append(svg.line_chart("Restarts and re-run steps", t,
                                      {"restarts": v.restarts, "re-run steps": v.rerun_steps}))
-    note = "" if v.has_exact() else ESTIMATED_NOTE
+    note = "" if v.has_exact() else SCORES_ESTIMATED_NOTE
     return _section("scores", "Scores over time", note + "".join(charts))
 
 
