@@ -35,6 +35,7 @@ class SimJob:
     ranks_per_node: int
     hardware: bool
     params: dict | None = None      # simulator model overrides on top of the scenario
+    exchange_every: int = 20        # the ranks' skew exchange period K; 0 = off
 
     @property
     def node_prefix(self) -> str:
@@ -49,15 +50,18 @@ class Sandbox:
 
     def __init__(self, jobs: dict[str, str | tuple[str, dict]], *, nodes: int = 2,
                  ranks_per_node: int = 4, step_scale: float = 0.1, scrape_interval: float = 1.0,
-                 rule_scale: float = 0.05, hardware_jobs: int = 1, seed: int = 0):
+                 rule_scale: float = 0.05, hardware_jobs: int = 1, seed: int = 0,
+                 without_exchange: tuple[str, ...] = ()):
         """``jobs``: train_job -> simulator scenario, or (scenario, model parameter overrides).
         Each simulated second lasts ``step_scale``
         real seconds; rule windows are multiplied by ``rule_scale``. The first ``hardware_jobs``
-        jobs get fake GPUs and NICs."""
+        jobs get fake GPUs and NICs. The ranks of each job run the skew exchange every 20 steps,
+        those of the jobs named in ``without_exchange`` not at all (K = 0)."""
         self.jobs = []
         for i, (name, spec) in enumerate(jobs.items()):
             scenario, params = (spec, None) if isinstance(spec, str) else spec
-            self.jobs.append(SimJob(name, scenario, nodes, ranks_per_node, i < hardware_jobs, params))
+            self.jobs.append(SimJob(name, scenario, nodes, ranks_per_node, i < hardware_jobs, params,
+                                    0 if name in without_exchange else 20))
         self.step_scale, self.scrape_interval, self.rule_scale, self.seed = (
             step_scale, scrape_interval, rule_scale, seed)
         self.rate_interval = RATE_INTERVAL_SCRAPES * scrape_interval
@@ -120,7 +124,7 @@ class Sandbox:
                 sim = ScenarioThread(job.scenario, targets[job.train_job], job.nodes, job.ranks_per_node,
                                      seed=self.seed + i, job=job.train_job, time_scale=self.step_scale,
                                      params=job.params,
-                                     node_prefix=job.node_prefix, exchange_every=20)
+                                     node_prefix=job.node_prefix, exchange_every=job.exchange_every)
                 if job.train_job in hardware:
                     hardware[job.train_job].follow(sim.driver)
                 sim.start()
