@@ -36,6 +36,19 @@ ON_NODE = ('* on (train_job, rank) group_left (node) '
 ON_DAEMON = ('* on (instance) group_left (node) '
              'max by (instance, node) (syncwatch_rank_info{train_job="$train_job", node=~"$node"})')
 
+
+def estimated(record: str) -> str:
+    """``record`` (a recorded series holding a job's exact values, or its estimates from mean waits
+    where the job runs without the skew exchange) kept for the jobs whose values are estimates only.
+
+    The rules record the ranks' mean waits (``train_job_rank:syncwatch_sync_wait:mean5m``) for jobs
+    that exported no exact slack in the last 10 m alone (docs/rules.md, "Without the skew
+    exchange"). A panel shows a job's exact series ``or on (train_job)`` this: never the two mixed,
+    and no 5 m record filling the intervals between a job's exchanges.
+    """
+    return f'({record} and on (train_job) train_job_rank:syncwatch_sync_wait:mean5m{{{JOB}}})'
+
+
 # Shared PromQL expressions (per train job).
 #: Share of all computed steps that were repeats after restarts, since the job began.
 RERUN_RATIO = (f'max by (train_job) (syncwatch_job_rerun_steps_total{{{JOB}}})'

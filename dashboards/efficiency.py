@@ -5,8 +5,8 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import stat, timeseries
 
-from .common import (JOB, RATE, RERUN_RATIO, dashboard, legend_table, panel, query, thresholds,
-                     train_job_variable, unit_override)
+from .common import (JOB, RATE, RERUN_RATIO, dashboard, estimated, legend_table, panel, query,
+                     thresholds, train_job_variable, unit_override)
 
 UID = "syncwatch-efficiency"
 
@@ -23,10 +23,17 @@ def _energy_rate(window: str) -> str:
     return _per_rank_gpu(f'rate(syncwatch_gpu_energy_joules_total[{window}])')
 
 
-def _waiting_watts(window: str) -> str:
-    """Watts of the job's GPUs spent idle at barriers: each rank's GPU power times its slack share."""
+#: Each rank's estimated slack share (5 m) for a job without the skew exchange (K = 0).
+SLACK_ESTIMATE = estimated(f'train_job_rank:syncwatch_slack:ratio5m{{{JOB}}}')
+
+
+def _waiting_watts(window: str, slack_estimate: str) -> str:
+    """Watts of the job's GPUs spent idle at barriers: each rank's GPU power times its slack share
+    over ``window``, or for a job without any slack in it, ``slack_estimate`` (the estimate from
+    mean waits of a job without the skew exchange)."""
     slack_share = (f'(rate(syncwatch_slack_seconds_total{{{JOB}}}[{window}])'
-                   f' / rate(syncwatch_step_seconds_total{{{JOB}}}[{window}]))')
+                   f' / rate(syncwatch_step_seconds_total{{{JOB}}}[{window}])'
+                   f' or on (train_job) {slack_estimate})')
     return (f'sum by (train_job) ({slack_share} * on (train_job, rank) group_left () '
             f'sum by (train_job, rank) ({_energy_rate(window)}))')
 
@@ -34,6 +41,11 @@ def _waiting_watts(window: str) -> str:
 def build() -> db.Dashboard:
     samples = f'syncwatch_samples_total{{{JOB}}}[{RATE}]'
     per_gpu = f'sum by (train_job) (rate({samples})) / count by (train_job) (rate({samples}))'
+    waiting_now = _waiting_watts(RATE, SLACK_ESTIMATE)
+    # Over the range: the estimated slack shares averaged over it. A job with exact slack anywhere
+    # in the range reads only that (its record holds no estimate after its first exchange).
+    waiting_range = _waiting_watts(
+        "$__range", f'avg_over_time(train_job_rank:syncwatch_slack:ratio5m{{{JOB}}}[$__range])')
     return (
         dashboard(UID, "syncwatch / Efficiency and cost",
                   "Is scaling still paying? Per-GPU output against its baseline, energy per sample, "
@@ -74,8 +86,11 @@ def build() -> db.Dashboard:
         .with_panel(
             panel(timeseries.Panel(), "GPUs idle at barriers",
                   "How many GPUs' worth of time the job spends idle waiting for slower peers (sum "
-                  "of the ranks' slack rates): 2.5 = two and a half GPUs paid for doing nothing.",
-                  query(f'sum by (train_job) (rate(syncwatch_slack_seconds_total{{{JOB}}}[{RATE}]))',
+                  "of the ranks' slack rates): 2.5 = two and a half GPUs paid for doing nothing. "
+                  "Without the skew exchange (K = 0) an estimate: the sum of the ranks' slack shares "
+                  "estimated from their mean waits over 5 m (a lower bound: jitter averages out).",
+                  query(f'sum by (train_job) (rate(syncwatch_slack_seconds_total{{{JOB}}}[{RATE}]))'
+                        f' or on (train_job) sum by (train_job) ({SLACK_ESTIMATE})',
                         "GPUs idle"),
                   unit="short", w=6)
             .min(0))
@@ -83,17 +98,19 @@ def build() -> db.Dashboard:
             panel(timeseries.Panel(), "Power burned waiting at barriers",
                   "GPU power of each rank weighted by the share of its time it idled at the barrier, "
                   "summed over the job, beside the job's whole GPU power. The ratio of the two is "
-                  "the share of the energy bill paid for waiting.",
-                  query(_waiting_watts(RATE), "while waiting"),
+                  "the share of the energy bill paid for waiting. Without the skew exchange (K = 0) "
+                  "the idle share is estimated from the ranks' mean waits over 5 m (a lower bound).",
+                  query(waiting_now, "while waiting"),
                   query(f'sum by (train_job) ({_energy_rate(RATE)})', "all GPUs of the job"),
                   unit="watt", w=6)
             .min(0))
         .with_panel(
             panel(stat.Panel(), "Energy burned waiting in range",
                   "Energy of the job's GPUs in the shown range spent idle at barriers, and its share "
-                  "of all their energy.",
-                  query(f'{_waiting_watts("$__range")} * $__range_s', "joules while waiting", instant=True),
-                  query(f'{_waiting_watts("$__range")} / on (train_job) '
+                  "of all their energy. Without the skew exchange (K = 0) an estimate from the "
+                  "ranks' mean waits (a lower bound).",
+                  query(f'{waiting_range} * $__range_s', "joules while waiting", instant=True),
+                  query(f'{waiting_range} / on (train_job) '
                         f'sum by (train_job) ({_energy_rate("$__range")})', "share of GPU energy", instant=True),
                   w=6)
             .override_by_name("share of GPU energy", [unit_override("percentunit")])

@@ -9,14 +9,24 @@ from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import heatmap as hm
 
-from .common import (JOB, ON_NODE, RANKS, RATE, dashboard, legend_table, node_variable, panel,
-                     query, rank_variable, train_job_variable)
+from .common import (JOB, ON_NODE, RANKS, RATE, dashboard, estimated, legend_table, node_variable,
+                     panel, query, rank_variable, train_job_variable)
 
 UID = "syncwatch-straggler-map"
 
 
 def build() -> db.Dashboard:
-    arrivals_range = f'increase(syncwatch_last_arrivals_total{{{RANKS}}}[$__range])'
+    # Without the skew exchange (K = 0) a job has no slack or last-arrival series: each panel
+    # falls back, per job (`or on (train_job)`), to the rules' estimates from the ranks' mean waits.
+    slack_estimate = estimated(f'train_job_rank:syncwatch_slack:ratio5m{{{RANKS}}}')
+    last_arrival_estimate = estimated(
+        f'train_job_rank:syncwatch_last_arrival:ratio10m{{{RANKS}, node=~"$node"}}')
+    # Last arrivals in the range: without the exchange, the steps of each rank in the range times
+    # the share of the range's one-minute windows in which its mean wait was the smallest.
+    arrivals_range = (f'(increase(syncwatch_last_arrivals_total{{{RANKS}}}[$__range]) or on (train_job) '
+                      f'sum by (train_job, rank) (avg_over_time(train_job_rank:syncwatch_last_arrival:estimate1m'
+                      f'{{{RANKS}}}[$__range]) * on (train_job, rank) '
+                      f'sum by (train_job, rank) (increase(syncwatch_steps_total{{{RANKS}}}[$__range]))))')
     # Slack and last arrivals reach the daemons K steps at a time, when the skew exchange
     # completes; per interval they are divided by the steps that exchange covered (the count of
     # rank 0's skew histogram), never by the steps of the interval (with 3 s steps: 50 steps of
@@ -37,10 +47,13 @@ def build() -> db.Dashboard:
                   "it idled at the barrier waiting for others (slack per step of the skew exchange / "
                   "mean step time). Waiting ranks are hot. A persistently cold row among hot ones is "
                   "the straggler: it never waits because everyone waits for it. Uniform warmth means "
-                  "jitter with no single culprit. Needs the skew exchange; a column without one "
-                  "(every K = 50 steps) is empty.",
-                  query(f'sum by (rank) (rate(syncwatch_slack_seconds_total{{{RANKS}}}[{RATE}])'
-                        f' / {exchanged} / {step_time} {ON_NODE})', "{{rank}}"),
+                  "jitter with no single culprit. With the skew exchange (every K = 50 steps) a "
+                  "column without one is empty. Without it (K = 0) the colour is an estimate from "
+                  "the ranks' mean waits over 5 m (mean wait minus the smallest, over the mean step "
+                  "time): it shows a persistent straggler's cold row, but jitter averages out of it.",
+                  query(f'sum by (rank) ((rate(syncwatch_slack_seconds_total{{{RANKS}}}[{RATE}])'
+                        f' / {exchanged} / {step_time} or on (train_job) {slack_estimate}) {ON_NODE})',
+                        "{{rank}}"),
                   unit="percentunit", w=24, h=10)
             .calculate(False)
             .rows_frame(heatmap.RowsHeatmapOptions().layout(cm.HeatmapCellLayout.UNKNOWN).value("slack share"))
@@ -53,17 +66,24 @@ def build() -> db.Dashboard:
             panel(timeseries.Panel(), "Last-arrival share per rank",
                   "Share of steps in which each rank arrived last at the barrier (the rank the "
                   "step waited for). Even jitter gives every rank about 1/N; one line near 1 is a "
-                  "persistent straggler. An interval without a skew exchange has no point.",
+                  "persistent straggler. An interval without a skew exchange has no point. Without "
+                  "the exchange (K = 0) it is an estimate: the share of one-minute windows of the "
+                  "last 10 m in which the rank's mean wait was the smallest by a clear margin (the "
+                  "share SyncwatchPersistentStraggler reads).",
                   query(f'sum by (train_job, rank) (rate(syncwatch_last_arrivals_total{{{RANKS}}}[{RATE}]) {ON_NODE})'
                         f' / on (train_job) group_left () (sum by (train_job) '
-                        f'(rate(syncwatch_last_arrivals_total{{{JOB}}}[{RATE}])) > 0)', "rank {{rank}}"),
+                        f'(rate(syncwatch_last_arrivals_total{{{JOB}}}[{RATE}])) > 0)'
+                        f' or on (train_job) sum by (train_job, rank) ({last_arrival_estimate})',
+                        "rank {{rank}}"),
                   unit="percentunit")
             .min(0).max(1).legend(legend_table("mean", "max").sort_by("Mean").sort_desc(True)))
         .with_panel(
             panel(table.Panel(), "Top ranks by last arrivals",
                   "Ranks that were last at the barrier most often in the shown range, with their "
                   "node. The first row is the rank everyone waited for most; compare its count with "
-                  "the steps in the range.",
+                  "the steps in the range. Without the skew exchange (K = 0) the count is an "
+                  "estimate: the rank's steps in the one-minute windows in which its mean wait was "
+                  "the smallest.",
                   query(f'topk(10, sum by (train_job, rank, node) ({arrivals_range} {ON_NODE}))',
                         instant=True, table=True),
                   w=6)
@@ -72,7 +92,8 @@ def build() -> db.Dashboard:
             panel(table.Panel(), "Top nodes by last arrivals",
                   "Last arrivals summed over the ranks of each node. One node on top with several "
                   "of its ranks in the rank table points at the node (cooling, power, NIC, host "
-                  "contention), not the rank: see Hardware coupling.",
+                  "contention), not the rank: see Hardware coupling. Without the skew exchange "
+                  "(K = 0), summed from the estimated counts of the rank table.",
                   query(f'topk(10, sum by (train_job, node) ({arrivals_range} {ON_NODE}))',
                         instant=True, table=True),
                   w=6)

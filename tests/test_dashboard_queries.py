@@ -1,12 +1,14 @@
 """Every dashboard query, executed against a real Prometheus fed by real daemons.
 
-Two simulated train jobs (a persistent straggler with a hot, throttled GPU under it, and a job that
-restarts twice) send to one node daemon per simulated node; the straggler job's daemons also run the
+Three simulated train jobs (a persistent straggler with a hot, throttled GPU under it, the same
+straggler in a job whose ranks run without the skew exchange (K = 0), and a job that restarts
+twice) send to one node daemon per simulated node; the straggler jobs' daemons also run the
 GPU/NIC/InfiniBand collectors over a fake NVML and sysfs trees. A Prometheus from the Debian package
 scrapes them with the recording and alerting rules loaded (windows scaled down). Each panel query is
 substituted exactly as Grafana would (``dashboards.queries.substitute``) and must parse and return
 at least one series for the job it is meant for; the straggler map, hardware and fleet dashboards
-must also point at the injected culprit.
+must also point at the injected culprit, with the exchange from its exact series and without it
+from the rules' estimates.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="prometheus missing (Debian package prometheus)")
 
 STRAGGLER, RESTARTS = "dash-straggler", "dash-restarts"
+#: The straggler scenario again, its ranks without the skew exchange (K = 0).
+ESTIMATED = "dash-k0-straggler"
 RUN_SECONDS = 45          # simulated run before querying (rule windows are scaled by 0.05)
 RANGE_OFFSET = 6          # dashboard range starts this long after the jobs started
 
@@ -37,6 +41,9 @@ MEANT_FOR = {
     ("syncwatch-efficiency", "Re-run ratio"): RESTARTS,
     ("syncwatch-efficiency", "Checkpoint time share"): RESTARTS,
 }
+
+#: Queries with no value without the skew exchange, by design: the estimate from mean waits has no tail.
+NO_ESTIMATE = {("syncwatch-job-overview", "Barrier skew", "B")}
 
 DASHBOARDS = queries.load_all()
 ALL_QUERIES = [q for d in DASHBOARDS.values() for q in queries.panel_queries(d)]
@@ -49,6 +56,7 @@ class Run(Snapshot):
     def __init__(self, box: Sandbox):
         super().__init__(box, start=box.started_at + RANGE_OFFSET, end=time.time())
         self.straggler_rank, self.straggler_node, _ = box.straggler(box.jobs[0])
+        _, self.estimated_node, _ = box.straggler(box.jobs[1])
 
     def _selected(self, q: queries.PanelQuery, selected: dict) -> dict:
         return {"train_job": MEANT_FOR.get((q.dashboard, q.panel), STRAGGLER), "node": None,
@@ -67,7 +75,8 @@ class Run(Snapshot):
 
 @pytest.fixture(scope="module")
 def run():
-    box = Sandbox({STRAGGLER: "straggler", RESTARTS: "restarts"})
+    box = Sandbox({STRAGGLER: "straggler", ESTIMATED: "straggler", RESTARTS: "restarts"},
+                  hardware_jobs=2, without_exchange=(ESTIMATED,))
     box.start()
     try:
         box.wait_for_data(RUN_SECONDS)
@@ -160,7 +169,7 @@ def test_fleet_lists_every_job_once(run):
     (instability,) = [q for q in queries.panel_queries(DASHBOARDS["syncwatch-fleet"])
                       if q.panel == "Train jobs by instability" and q.ref_id == "A"]
     jobs = [s["metric"]["train_job"] for s in run.run(instability)]
-    assert sorted(jobs) == sorted([STRAGGLER, RESTARTS])
+    assert sorted(jobs) == sorted([STRAGGLER, ESTIMATED, RESTARTS])
 
 
 def test_energy_panels_attribute_waiting_power(run):
@@ -170,3 +179,73 @@ def test_energy_panels_attribute_waiting_power(run):
     assert 0 < _mean(waiting) < _mean(total)
     (per_sample,) = run.panel(uid, "Energy per sample")
     assert _mean(per_sample) > 0
+
+
+# --- without the skew exchange (K = 0): the panels show the rules' estimates from mean waits ---
+
+ESTIMATED_QUERIES = [q for q in ALL_QUERIES
+                     if (q.dashboard, q.panel) not in MEANT_FOR
+                     and (q.dashboard, q.panel, q.ref_id) not in NO_ESTIMATE]
+
+
+@pytest.mark.parametrize("q", ESTIMATED_QUERIES, ids=lambda q: f"{q.dashboard}:{q.panel}:{q.ref_id}")
+def test_without_the_skew_exchange_every_panel_query_returns_data(run, q):
+    result = run.run(q, {"train_job": ESTIMATED})
+    assert result, f"no series for {run.expr(q, {'train_job': ESTIMATED})}"
+
+
+def test_without_the_skew_exchange_the_straggler_map_names_the_straggler(run):
+    uid, rank, node = "syncwatch-straggler-map", str(run.straggler_rank), run.estimated_node
+    top = sorted(run.panel(uid, "Top ranks by last arrivals", train_job=ESTIMATED), key=_value, reverse=True)
+    assert (top[0]["metric"]["rank"], top[0]["metric"]["node"]) == (rank, node)
+    assert _value(top[0]) > 5 * _value(top[1])
+    top_nodes = sorted(run.panel(uid, "Top nodes by last arrivals", train_job=ESTIMATED), key=_value,
+                       reverse=True)
+    assert top_nodes[0]["metric"]["node"] == node
+    share = run.panel(uid, "Last-arrival share per rank", train_job=ESTIMATED)
+    assert max(share, key=_mean)["metric"]["rank"] == rank and max(map(_mean, share)) > 0.7
+    slack = run.panel(uid, "Slack share by rank over time", train_job=ESTIMATED)
+    assert len(slack) == 8 and min(slack, key=_mean)["metric"]["rank"] == rank
+    only = run.panel(uid, "Slack share by rank over time", train_job=ESTIMATED, rank=["0", rank])
+    assert {s["metric"]["rank"] for s in only} == {"0", rank}
+
+
+def test_without_the_skew_exchange_the_late_node_and_the_scores_show_the_estimates(run):
+    late = max(run.panel("syncwatch-hardware", "Lateness of the ranks per node", train_job=ESTIMATED),
+               key=_mean)
+    assert late["metric"]["node"] == run.estimated_node and _mean(late) > 0
+    uid = "syncwatch-job-overview"
+    (conc,) = run.panel(uid, "Straggler concentration", train_job=ESTIMATED)
+    assert _mean(conc) > 0.7
+    (coupling,) = run.panel(uid, "Coupling score", train_job=ESTIMATED)
+    assert _mean(coupling) > 0.02
+    (skew,) = run.panel(uid, "Barrier skew", "A", train_job=ESTIMATED)
+    (step,) = run.panel(uid, "Step time p50 / p99 and mean", "C", train_job=ESTIMATED)
+    assert 0.02 < _mean(skew) / _mean(step) < 0.2
+    assert run.panel(uid, "Barrier skew", "B", train_job=ESTIMATED) == []     # no tail to estimate
+    fleet = {ref: {s["metric"]["train_job"]: _value(s) for s in run.panel("syncwatch-fleet",
+                                                                          "Train jobs by instability", ref)}
+             for ref in "BD"}
+    assert fleet["B"][ESTIMATED] > 0.02 and fleet["D"][ESTIMATED] > 0.7
+    uid = "syncwatch-efficiency"
+    (idle,) = run.panel(uid, "GPUs idle at barriers", train_job=ESTIMATED)
+    assert _mean(idle) == pytest.approx(8 * _mean(coupling), rel=0.2)   # 8 ranks, each its slack share
+    (waiting,) = run.panel(uid, "Power burned waiting at barriers", "A", train_job=ESTIMATED)
+    (total,) = run.panel(uid, "Power burned waiting at barriers", "B", train_job=ESTIMATED)
+    assert 0 < _mean(waiting) < _mean(total)
+    (share,) = run.panel(uid, "Energy burned waiting in range", "B", train_job=ESTIMATED)
+    assert 0 < _value(share) < 1
+
+
+def test_with_the_skew_exchange_no_panel_reads_an_estimate_after_its_first_exchange(run):
+    """The estimates' input, recorded for jobs without exact slack in the last 10m only, is gone
+    for the job with the exchange within two evaluations of its first slack: its panels show exact
+    values alone from then on (their estimate branch is per job, ``or on (train_job)``, and kept to
+    jobs with that input)."""
+    def times(expr: str) -> list[float]:
+        series = run.box.prometheus.query_range(expr, run.box.started_at, run.end, run.step)
+        return sorted(t for s in series for t, _ in s["values"])
+
+    exact = times(f'syncwatch_slack_seconds_total{{train_job="{STRAGGLER}"}}')
+    estimated = times(f'train_job_rank:syncwatch_sync_wait:mean5m{{train_job="{STRAGGLER}"}}')
+    assert exact and all(t <= exact[0] + 2 * run.box.scrape_interval for t in estimated)

@@ -169,6 +169,10 @@ def test_every_query_parses_with_promtool(tmp_path):
 #: Grafana's $__rate_interval at the provisioned 15 s scrape interval (4 x scrape interval).
 RATE_INTERVAL = 60
 
+#: The shipped recording rules: the panels' estimates for jobs without the skew exchange come from
+#: them, and never show for a job with it (the tests with the exchange load them too).
+RECORDING_RULES = (str(ROOT / "alerts" / "recording.rules.yml"),)
+
 
 def _panel_expr(uid: str, title: str, ref: str = "A", **selected) -> str:
     d = DASHBOARDS[uid]
@@ -178,11 +182,13 @@ def _panel_expr(uid: str, title: str, ref: str = "A", **selected) -> str:
                               range_seconds=3600)
 
 
-def _promtool_expect(tmp_path, series: dict[str, str], cases: list[tuple[str, str, list]]) -> None:
+def _promtool_expect(tmp_path, series: dict[str, str], cases: list[tuple[str, str, list]],
+                     rule_files: tuple[str, ...] = ()) -> None:
     """Evaluate each ``(expr, eval_time, expected samples)`` on ``series`` (15 s apart) with
-    ``promtool test rules``; its report names the expression, the expected and the got values."""
+    ``promtool test rules``, the ``rule_files`` (absolute paths) evaluated every 15 s; its report
+    names the expression, the expected and the got values."""
     (tmp_path / "none.rules.yml").write_text("groups: []\n")
-    test = {"rule_files": ["none.rules.yml"], "evaluation_interval": "15s", "tests": [{
+    test = {"rule_files": list(rule_files) or ["none.rules.yml"], "evaluation_interval": "15s", "tests": [{
         "interval": "15s",
         "input_series": [{"series": s, "values": v} for s, v in series.items()],
         "promql_expr_test": [{"expr": e, "eval_time": t, "exp_samples": exp} for e, t, exp in cases],
@@ -227,15 +233,15 @@ def _skew_exchange_job(step_seconds: float, every: int = 50, skew: float = 0.3) 
 def test_rank_lateness_per_node_is_the_skew_less_the_slack_of_the_same_steps(tmp_path):
     """Steps of 3 s, the skew exchange every 50 steps (150 s): an interval with the exchange
     shows the straggler's node 0.3 s late and the waiting node on time; an interval without one
-    shows no value. The slack of 50 steps used to be divided by the ~20 steps of the interval
-    (the waiting node read -0.45 s, the average of a node holding both went below zero and out of
-    the panel) and an interval without an exchange read NaN (0/0), which made the legend's mean
-    and max NaN and its sort useless."""
+    shows no value, not an estimate from the recording rules either. The slack of 50 steps used
+    to be divided by the ~20 steps of the interval (the waiting node read -0.45 s, the average of
+    a node holding both went below zero and out of the panel) and an interval without an exchange
+    read NaN (0/0), which made the legend's mean and max NaN and its sort useless."""
     lateness = _panel_expr("syncwatch-hardware", "Lateness of the ranks per node", node=None)
     _promtool_expect(tmp_path, _skew_exchange_job(3), [
         (lateness, WITH_EXCHANGE, [{"labels": '{node="a"}', "value": 0.3}, {"labels": '{node="b"}', "value": 0}]),
         (lateness, WITHOUT_EXCHANGE, []),
-    ])
+    ], rule_files=RECORDING_RULES)
 
 
 #: Evaluation times in _skew_exchange_job(3): the exchange lands at 150 s; the rate window of 225 s
@@ -247,9 +253,10 @@ WITH_EXCHANGE, WITHOUT_EXCHANGE = "165s", "225s"
 def test_straggler_map_reads_the_steps_of_the_skew_exchange(tmp_path):
     """Same job: the heatmap shows rank 1 idle 10 % of its time (0.3 s of each 3 s step) and the
     straggler 0 %, the last-arrival share gives rank 0 every last arrival; an interval without an
-    exchange has no value. The heatmap used to divide 50 steps of slack by the ~20 steps of time
-    of the interval (rank 1 read 25 %, then 0 % in the next interval: stripes, not rows) and the
-    last-arrival share read NaN (0/0) between exchanges."""
+    exchange has no value, not an estimate from the recording rules either. The heatmap used to
+    divide 50 steps of slack by the ~20 steps of time of the interval (rank 1 read 25 %, then 0 %
+    in the next interval: stripes, not rows) and the last-arrival share read NaN (0/0) between
+    exchanges."""
     slack_share = _panel_expr("syncwatch-straggler-map", "Slack share by rank over time", node=None, rank=None)
     slack_share = f"round({slack_share}, 0.0001)"
     last_share = _panel_expr("syncwatch-straggler-map", "Last-arrival share per rank", node=None, rank=None)
@@ -259,4 +266,45 @@ def test_straggler_map_reads_the_steps_of_the_skew_exchange(tmp_path):
         (last_share, WITH_EXCHANGE, [{"labels": '{train_job="j", rank="0"}', "value": 1},
                                      {"labels": '{train_job="j", rank="1"}', "value": 0}]),
         (last_share, WITHOUT_EXCHANGE, []),
-    ])
+    ], rule_files=RECORDING_RULES)
+
+
+def _mean_wait_job(step_seconds: float, skew: float = 0.3, transfer: float = 0.05) -> dict[str, str]:
+    """The job of ``_skew_exchange_job`` without the skew exchange (K = 0): no slack, last-arrival
+    or skew series, only the waits (rank 0 waits ``transfer`` every step, rank 1 ``skew`` more),
+    for 15 minutes."""
+    per_scrape = 15 / step_seconds
+    total = 59
+    series = {}
+    for r, node, wait in (("0", "a", transfer), ("1", "b", transfer + skew)):
+        inst = f'train_job="j", rank="{r}", instance="{node}:9477"'
+        series.update({
+            f'syncwatch_rank_info{{train_job="j", rank="{r}", local_rank="0", node="{node}", gpu="0", '
+            f'uuid="GPU-{node}0", pid="{r}", instance="{node}:9477"}}': f"1x{total}",
+            f'syncwatch_steps_total{{{inst}}}': f"0+{per_scrape:g}x{total}",
+            f'syncwatch_step_seconds_total{{{inst}}}': f"0+15x{total}",
+            f'syncwatch_phase_seconds_total{{{inst}, phase="sync"}}': f"0+{per_scrape * wait:g}x{total}",
+        })
+    return series
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus)")
+def test_without_the_skew_exchange_the_panels_read_the_estimates_from_mean_waits(tmp_path):
+    """The job of the two tests above, its ranks without the skew exchange (K = 0), through the
+    shipped recording rules: with one rank waiting 0.3 s for the other in every step, the
+    estimates from mean waits equal the exact values: rank 1 idle 10 % of its time, rank 0 last in
+    every minute, node a 0.3 s late, 0.1 GPUs idle."""
+    def expr(uid: str, title: str) -> str:
+        return f"round({_panel_expr(uid, title, node=None, rank=None)}, 0.0001)"
+
+    _promtool_expect(tmp_path, _mean_wait_job(3), [
+        (expr("syncwatch-straggler-map", "Slack share by rank over time"), "12m",
+         [{"labels": '{rank="0"}', "value": 0}, {"labels": '{rank="1"}', "value": 0.1}]),
+        (expr("syncwatch-straggler-map", "Last-arrival share per rank"), "12m",
+         [{"labels": '{train_job="j", rank="0"}', "value": 1},
+          {"labels": '{train_job="j", rank="1"}', "value": 0}]),
+        (expr("syncwatch-hardware", "Lateness of the ranks per node"), "12m",
+         [{"labels": '{node="a"}', "value": 0.3}, {"labels": '{node="b"}', "value": 0}]),
+        (expr("syncwatch-efficiency", "GPUs idle at barriers"), "12m",
+         [{"labels": '{train_job="j"}', "value": 0.1}]),
+    ], rule_files=RECORDING_RULES)
