@@ -34,7 +34,8 @@ def _fleet_table() -> table.Panel:
               "One row per train job, most unstable first. instability and coupling near 0 are "
               "healthy; straggler concentration near 1 names a single straggler; a growing 'since "
               "last step' is a stalled job; alerts counts firing and pending syncwatch alerts. "
-              "Click a job to open its Job overview.",
+              "Click a job to open its Job overview. For a job without the skew exchange (K = 0), "
+              "coupling and straggler concentration are estimates from its ranks' mean waits.",
               *(query(expr, instant=True, table=True) for _, _, expr in COLUMNS),
               w=24, h=10)
     p = (p.with_transformation(dm.DataTransformerConfig(id_val="merge", options={}))
@@ -66,7 +67,8 @@ def build() -> db.Dashboard:
             .min(0).legend(legend_table("max", "lastNotNull").sort_by("Last *").sort_desc(True)))
         .with_panel(
             panel(timeseries.Panel(), "Coupling per job",
-                  "Share of each job's rank-time idled waiting for slower peers.",
+                  "Share of each job's rank-time idled waiting for slower peers; for a job without "
+                  "the skew exchange (K = 0) an estimate from its ranks' mean waits.",
                   query("max by (train_job) (train_job:syncwatch_coupling:ratio5m)", "{{train_job}}"),
                   unit="percentunit", w=8)
             .min(0).legend(legend_table("max", "lastNotNull").sort_by("Last *").sort_desc(True)))

@@ -56,8 +56,10 @@ def build() -> db.Dashboard:
         .min(0).legend(legend_table("mean", "max").sort_by("Mean").sort_desc(True)))
     sync_tax = (
         panel(timeseries.Panel(), "Job sync tax",
-              "Share of step time inside synchronization. Fabric trouble (xmit wait, CNPs, "
-              "errors, flaps) that matters for this job shows up here at the same time.",
+              "Share of step time inside synchronization, and the coupling score (the share of "
+              "it spent waiting for late ranks). Fabric trouble (xmit wait, CNPs, errors, flaps) "
+              "that matters for this job shows up here at the same time. Without the skew "
+              "exchange (K = 0) the coupling is an estimate from the ranks' mean waits.",
               query(f'train_job:syncwatch_sync_tax:ratio5m{{{JOB}}}', "sync tax"),
               query(f'train_job:syncwatch_coupling:ratio5m{{{JOB}}}', "coupling"),
               unit="percentunit", w=8)

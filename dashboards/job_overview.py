@@ -39,13 +39,16 @@ def build() -> db.Dashboard:
             "Coupling score",
             "Share of all rank-time spent idle at the gradient barrier waiting for slower peers "
             "(slack / step time, 5 m). Below 5 % is normal; a rising score means local jitter is "
-            "turning into global stalls. The Straggler map says who everyone waits for.",
+            "turning into global stalls. The Straggler map says who everyone waits for. Without "
+            "the skew exchange (K = 0) an estimate from the ranks' mean waits: right for a "
+            "persistent straggler, far below the truth for jitter.",
             f'train_job:syncwatch_coupling:ratio5m{{{JOB}}}'))
         .with_panel(_score(
             "Instability score",
             "0..1 combination of step-time CV, barrier skew per step, step-time oscillation and "
             "re-run work (components in the panel below). High means step times are erratic even "
-            "if the mean looks fine.",
+            "if the mean looks fine. Without the skew exchange (K = 0) its skew is an estimate "
+            "from the ranks' mean waits.",
             f'train_job:syncwatch_instability:score{{{JOB}}}'))
         .with_panel(_score(
             "Sync tax",
@@ -56,7 +59,9 @@ def build() -> db.Dashboard:
             panel(stat.Panel(), "Straggler concentration",
                   "Largest share of last arrivals held by one rank (10 m). 1/N (world size) means "
                   "the barrier waits for a different rank each step (jitter); near 1 means one "
-                  "persistent straggler: open the Straggler map.",
+                  "persistent straggler: open the Straggler map. Without the skew exchange (K = 0) "
+                  "an estimate: shares of one-minute windows in which a rank's mean wait was the "
+                  "smallest, not of steps.",
                   query(f'train_job:syncwatch_straggler_concentration:ratio10m{{{JOB}}}', "{{train_job}}"),
                   unit="percentunit", w=4, h=4)
             .thresholds(thresholds((None, "green"), (0.5, "orange"), (0.8, "red"))).min(0).max(1))
@@ -80,7 +85,9 @@ def build() -> db.Dashboard:
                   "Coupling (idle share at the barrier) beside the sync tax it is part of and the "
                   "straggler concentration. Coupling up with concentration near 1: one straggler. "
                   "Coupling up with concentration near 1/N: jitter or contention spread over ranks. "
-                  "Sync tax up without coupling: the transfer itself got slower (fabric).",
+                  "Sync tax up without coupling: the transfer itself got slower (fabric). Without "
+                  "the skew exchange (K = 0) coupling and concentration are estimates from the "
+                  "ranks' mean waits, which see a persistent straggler but not jitter.",
                   query(f'train_job:syncwatch_coupling:ratio5m{{{JOB}}}', "coupling"),
                   query(f'train_job:syncwatch_sync_tax:ratio5m{{{JOB}}}', "sync tax"),
                   query(f'train_job:syncwatch_straggler_concentration:ratio10m{{{JOB}}}',
@@ -95,7 +102,8 @@ def build() -> db.Dashboard:
                   "skew_growth (skew against its own baseline), oscillation (fast/slow "
                   "alternation: negative lag-1 autocorrelation), rerun (share of steps repeated "
                   "after restarts) and restarts (restarts in the last hour). The component that "
-                  "rises with the score is the failure mode.",
+                  "rises with the score is the failure mode. Without the skew exchange (K = 0) skew "
+                  "and skew_growth read an estimate from the ranks' mean waits.",
                   query(f'train_job:syncwatch_instability:score{{{JOB}}}', "instability"),
                   query(f'train_job:syncwatch_instability:component{{{JOB}}}', "{{component}}"),
                   unit="percentunit")
@@ -135,7 +143,8 @@ def build() -> db.Dashboard:
             panel(timeseries.Panel(), "Sync tax and barrier skew",
                   "Share of step time inside synchronization, and the mean barrier skew (spread of "
                   "arrival times) as a share of step time. Skew near the sync tax: the sync phase is "
-                  "mostly waiting for late ranks, not transfer.",
+                  "mostly waiting for late ranks, not transfer. Without the skew exchange (K = 0) "
+                  "the skew is an estimate: the spread of the ranks' mean waits (a lower bound).",
                   query(f'train_job:syncwatch_sync_tax:ratio5m{{{JOB}}}', "sync tax"),
                   query(f'train_job:syncwatch_skew_step:ratio5m{{{JOB}}}', "skew / step"),
                   unit="percentunit", w=8)
@@ -143,7 +152,9 @@ def build() -> db.Dashboard:
         .with_panel(
             panel(timeseries.Panel(), "Barrier skew",
                   "Mean and p99 of the per-step barrier skew (largest slack of a step, 5 m), measured "
-                  "exactly by the ranks' MIN/MAX exchange. Compare with the mean step time.",
+                  "exactly by the ranks' MIN/MAX exchange. Compare with the mean step time. Without "
+                  "the exchange (K = 0) the mean is an estimate, the spread of the ranks' mean waits "
+                  "(a lower bound), and p99 has no value.",
                   query(f'train_job:syncwatch_barrier_skew_seconds:mean5m{{{JOB}}}', "mean"),
                   query(f'train_job:syncwatch_barrier_skew_seconds:p99_5m{{{JOB}}}', "p99"),
                   unit="s", w=8)

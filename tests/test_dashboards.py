@@ -117,6 +117,19 @@ def test_every_panel_has_title_description_unique_id_and_datasource(uid):
     assert len(titles) == len(set(titles)), "panel titles must be unique (tests and docs refer to them)"
 
 
+#: What a job without the skew exchange (K = 0) has only as estimates from its ranks' mean waits:
+#: exact series, and the records that fall back to the estimates (docs/rules.md).
+EXCHANGE_READS = ("syncwatch_slack", "syncwatch_last_arrival", "syncwatch_barrier_skew", "syncwatch_coupling",
+                  "syncwatch_straggler_concentration", "syncwatch_skew_step", "syncwatch_instability:component")
+
+
+@pytest.mark.parametrize("uid", sorted(DASHBOARDS))
+def test_panels_reading_the_skew_exchange_say_what_they_show_without_it(uid):
+    for p in queries.panels(DASHBOARDS[uid]):
+        if any(s in t["expr"] for t in p["targets"] for s in EXCHANGE_READS):
+            assert "(K = 0)" in p["description"] and "estimate" in p["description"], p["title"]
+
+
 @pytest.mark.parametrize("uid", sorted(DASHBOARDS))
 def test_every_variable_is_used_and_every_used_variable_exists(uid):
     d = DASHBOARDS[uid]
