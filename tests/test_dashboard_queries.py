@@ -208,6 +208,11 @@ def test_without_the_skew_exchange_the_straggler_map_names_the_straggler(run):
     assert len(slack) == 8 and min(slack, key=_mean)["metric"]["rank"] == rank
     only = run.panel(uid, "Slack share by rank over time", train_job=ESTIMATED, rank=["0", rank])
     assert {s["metric"]["rank"] for s in only} == {"0", rank}
+    per_node = run.box.jobs[1].ranks_per_node
+    first = run.straggler_rank // per_node * per_node
+    for title in ("Top ranks by last arrivals", "Last-arrival share per rank"):
+        on_node = run.panel(uid, title, train_job=ESTIMATED, node=[node])
+        assert {int(s["metric"]["rank"]) for s in on_node} == set(range(first, first + per_node)), title
 
 
 def test_without_the_skew_exchange_the_late_node_and_the_scores_show_the_estimates(run):
