@@ -25,6 +25,8 @@ from . import queries
 
 #: Grafana's $__rate_interval for a scrape interval: max(interval + scrape, 4 x scrape).
 RATE_INTERVAL_SCRAPES = 4
+#: The simulated ranks' skew exchange period K (steps).
+EXCHANGE_EVERY = 20
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class SimJob:
     ranks_per_node: int
     hardware: bool
     params: dict | None = None      # simulator model overrides on top of the scenario
-    exchange_every: int = 20        # the ranks' skew exchange period K; 0 = off
+    exchange_every: int = EXCHANGE_EVERY   # the ranks' skew exchange period K; 0 = off
 
     @property
     def node_prefix(self) -> str:
@@ -55,13 +57,14 @@ class Sandbox:
         """``jobs``: train_job -> simulator scenario, or (scenario, model parameter overrides).
         Each simulated second lasts ``step_scale``
         real seconds; rule windows are multiplied by ``rule_scale``. The first ``hardware_jobs``
-        jobs get fake GPUs and NICs. The ranks of each job run the skew exchange every 20 steps,
-        those of the jobs named in ``without_exchange`` not at all (K = 0)."""
+        jobs get fake GPUs and NICs. The ranks of each job run the skew exchange every
+        ``EXCHANGE_EVERY`` steps, those of the jobs named in ``without_exchange`` not at all
+        (K = 0)."""
         self.jobs = []
         for i, (name, spec) in enumerate(jobs.items()):
             scenario, params = (spec, None) if isinstance(spec, str) else spec
             self.jobs.append(SimJob(name, scenario, nodes, ranks_per_node, i < hardware_jobs, params,
-                                    0 if name in without_exchange else 20))
+                                    0 if name in without_exchange else EXCHANGE_EVERY))
         self.step_scale, self.scrape_interval, self.rule_scale, self.seed = (
             step_scale, scrape_interval, rule_scale, seed)
         self.rate_interval = RATE_INTERVAL_SCRAPES * scrape_interval
