@@ -476,6 +476,25 @@ def test_client_dropped_records_and_internal_errors_are_monotonic(sock_path):
     assert value(m, "syncwatch_client_internal_errors_total") == 7
 
 
+def test_a_process_met_anew_counts_only_what_its_delivered_records_had_not_reported(sock_path):
+    """A daemon meeting a rank's process (after the daemon's restart, or once the rank's state
+    expired) counted all of the process's drops and errors, those it had reported before
+    included: each record now says what the last one delivered before it carried."""
+    with DaemonThread(config(sock_path, rank_ttl=0.3)) as d:
+        c = Client(d.socket_path)
+        enc = Encoder(identity(2, pid=10))
+        c.send(RankSim(identity(2, pid=10)).step(1, 0.1, dropped=5, errors=1))
+        wait_records(d.url, 1)
+        wait_for(lambda: healthz(d.url)["ranks"] == 0, 10, "rank expiry")
+        # silent past the TTL, the process reports again: 4 more drops, 2 more errors
+        c.send(enc.heartbeat(WALL0, 1, WALL0, "data", 0.1, 0, dropped_records=9,
+                             internal_errors=3, reported_dropped=5, reported_errors=1))
+        wait_records(d.url, 2)
+        m = scrape(d.url)
+    assert value(m, "syncwatch_client_dropped_records_total") == 9
+    assert value(m, "syncwatch_client_internal_errors_total") == 3
+
+
 class _Failing:
     def __init__(self):
         self.started = self.stopped = False

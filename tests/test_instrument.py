@@ -475,9 +475,9 @@ class Collected:
     """A sender that keeps every datagram (the replay's output, byte for byte)."""
 
     def __init__(self):
-        self.data, self.dropped = [], 0
+        self.data, self.dropped, self.delivered = [], 0, (0, 0)
 
-    def send(self, data):
+    def send(self, data, counts=None):
         self.data.append(data)
         return True
 

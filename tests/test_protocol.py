@@ -8,14 +8,15 @@ import struct
 import pytest
 
 from syncwatch.protocol import (HEADER, IDENT_FIXED, MAX_DATAGRAM, PHASES, REJECT_REASONS,
-                                SKEW_BUCKETS, Cumulative, Decoder, EndRecord, Encoder,
+                                SKEW_BUCKETS, VERSION, Cumulative, Decoder, EndRecord, Encoder,
                                 HeartbeatRecord, Identity, ProtocolError, SkewHistogram, StepRecord)
 
 IDENT = Identity(train_job="llama-7b.run:3", attempt=2, rank=5, local_rank=1, world_size=16,
                  node="gpu-node-07", pid=4242, gpu=1, gpu_uuid="GPU-8f1c2d3e-aaaa")
 TOTALS = Cumulative(steps=10, step_seconds=1.5, phase_seconds=tuple(0.1 * i for i in range(7)),
                     slack_seconds=0.25, last_arrivals=3, samples=320.0, tokens=32000.0,
-                    checkpoints=1, dropped_records=4, internal_errors=0)
+                    checkpoints=1, dropped_records=4, internal_errors=2, reported_dropped=3,
+                    reported_errors=2)
 WALL = 1_800_000_000.5
 
 
@@ -49,8 +50,8 @@ def test_step_round_trip_with_skew():
 
 def test_heartbeat_and_end_round_trip():
     enc = Encoder(IDENT)
-    hb = Decoder().decode(enc.heartbeat(WALL, 9, WALL - 3, "sync", 2.5, 19, 4, 1))
-    assert hb == HeartbeatRecord(IDENT, WALL, 9, WALL - 3, "sync", 2.5, 19, 4, 1)
+    hb = Decoder().decode(enc.heartbeat(WALL, 9, WALL - 3, "sync", 2.5, 19, 4, 1, 3, 0))
+    assert hb == HeartbeatRecord(IDENT, WALL, 9, WALL - 3, "sync", 2.5, 19, 4, 1, 3, 0)
     end = Decoder().decode(enc.end(WALL, 10, "failed"))
     assert end == EndRecord(IDENT, WALL, 10, "failed")
 
@@ -74,7 +75,8 @@ def test_truncated(cut):
 def test_bad_magic_unknown_version_unknown_kind():
     data = step_bytes()
     assert reason_of(b"XY" + data[2:]) == "bad_magic"
-    assert reason_of(data[:2] + bytes([2]) + data[3:]) == "unknown_version"
+    for version in (VERSION - 1, VERSION + 1):  # 1 is the layout before the reported_* fields
+        assert reason_of(data[:2] + bytes([version]) + data[3:]) == "unknown_version"
     assert reason_of(data[:3] + bytes([99]) + data[4:]) == "unknown_kind"
 
 
@@ -90,7 +92,7 @@ def test_unknown_fields():
 def _with_identity(fixed: tuple, strings=(b"job", b"node", b"")) -> bytes:
     ident = IDENT_FIXED.pack(*fixed) + b"".join(bytes((len(s),)) + s for s in strings)
     body = step_bytes()[HEADER.size + len(IDENT.encode()):]
-    return HEADER.pack(b"SW", 1, 1, len(ident)) + ident + body
+    return HEADER.pack(b"SW", VERSION, 1, len(ident)) + ident + body
 
 
 @pytest.mark.parametrize("fixed,strings", [
@@ -127,6 +129,8 @@ def test_identity_encode_refuses_bad_labels():
     dict(totals=Cumulative(steps=2, last_arrivals=3)),          # more last arrivals than steps
     dict(totals=Cumulative(steps=1, samples=float("inf"))),
     dict(totals=Cumulative(steps=1, dropped_records=-1)),
+    dict(totals=Cumulative(steps=1, dropped_records=2, reported_dropped=3)),  # more than dropped
+    dict(totals=Cumulative(steps=1, internal_errors=1, reported_errors=-1)),
     dict(totals=Cumulative(steps=1, step_seconds=1e16)),
     dict(skew=SkewHistogram(3, 0.1, (5,) * len(SKEW_BUCKETS))),  # bucket above the count
     dict(skew=SkewHistogram(3, 0.1, (2, 1) + (3,) * (len(SKEW_BUCKETS) - 2))),  # not cumulative
@@ -141,8 +145,10 @@ def test_bad_heartbeat_and_end_values():
     assert reason_of(enc.heartbeat(WALL, 1, WALL, "sync", float("nan"), 1)) == "bad_value"
     assert reason_of(enc.heartbeat(WALL, 1, 5.0, "sync", 1.0, 1)) == "bad_value"
     hb = bytearray(enc.heartbeat(WALL, 1, WALL, "sync", 1.0, 1))
-    hb[len(hb) - struct.calcsize("<dqqq") - 1] = len(PHASES)  # phase code out of range
+    hb[len(hb) - struct.calcsize("<dqqqqq") - 1] = len(PHASES)  # phase code out of range
     assert reason_of(bytes(hb)) == "bad_value"
+    assert reason_of(enc.heartbeat(WALL, 1, WALL, "sync", 1.0, 1, 2, 0, 3, 0)) == "bad_value"
+    assert reason_of(enc.heartbeat(WALL, 1, WALL, "sync", 1.0, 1, 2, 1, 2, 2)) == "bad_value"
     end = bytearray(enc.end(WALL, 1))
     end[-1] = 9
     assert reason_of(bytes(end)) == "bad_value"

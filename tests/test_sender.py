@@ -146,3 +146,43 @@ def test_no_permission_on_the_socket_is_said_once(sock_path):
         assert "must run as root or in the socket's group" in message
         assert "gid 0 mode 660" in message or os.geteuid() != 0  # who owns it, how
         assert healthz(d.url)["records"] == 0
+
+
+def test_a_daemon_restart_counts_each_dropped_record_once(sock_path):
+    """Records carry the rank's cumulative drop count, and a daemon meeting a rank's process
+    counted all of it: after a restart the new daemon exported the drops its predecessor had
+    already exported again, and Prometheus's increase() over the restart (a counter reset: the
+    new daemon's count added to the old one's) counted them twice. Each drop counts once, those
+    made while the daemon was down included."""
+    from syncwatch.instrument.monitor import Monitor
+
+    m = Monitor(identity(0), Sender(sock_path), heartbeat_seconds=0)
+    lab = dict(train_job="job-a", rank=0)
+
+    def step():
+        m.step(1)
+        m.flush()
+
+    def exported(d) -> float:
+        """Step until the daemon has the rank's latest step; its drop count then."""
+        def caught_up():
+            step()
+            time.sleep(0.02)
+            return value(scrape(d.url), "syncwatch_last_step", **lab) == m.last_step
+        wait_for(caught_up, 15, "the daemon to catch up with the rank")
+        return value(scrape(d.url), "syncwatch_client_dropped_records_total")
+
+    try:
+        for _ in range(5):  # no daemon yet: dropped
+            step()
+        with DaemonThread(config(sock_path)) as d:
+            before = exported(d)
+        assert before == m.sender.dropped >= 5
+        for _ in range(7):  # the daemon restarts: dropped
+            step()
+        with DaemonThread(config(sock_path)) as d:
+            after = exported(d)
+        assert m.sender.dropped >= before + 7
+        assert before + after == m.sender.dropped, (before, after, m.sender.dropped)
+    finally:
+        m.shutdown(timeout=0.5)

@@ -13,10 +13,14 @@ The identity block is encoded once per sender and prefixed to every record, and 
 caches its decoded form keyed by its bytes, so the per-record cost is the fixed-size body.
 
 A step record carries the step's own values *and* the rank's cumulative counters, so a lost
-datagram or a daemon restart loses no totals. Every field is validated; anything the daemon
-cannot account for (bad magic, unknown version or kind, trailing bytes = unknown fields,
-out-of-range values, label values outside ``LABEL_RE``) is rejected with a reason from
-``REJECT_REASONS``.
+datagram or a daemon restart loses no totals. Step records and heartbeats also carry the drop and
+internal-error counts of the last record the rank's sender delivered before them (``reported_*``):
+a daemon that meets the rank's process for the first time (it restarted, or let the rank expire)
+counts only what goes beyond those, which an earlier daemon already counted.
+
+Every field is validated; anything the daemon cannot account for (bad magic, unknown version or
+kind, trailing bytes = unknown fields, out-of-range values, label values outside ``LABEL_RE``) is
+rejected with a reason from ``REJECT_REASONS``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"SW"
-VERSION = 1
+VERSION = 2  # 2: the reported_dropped and reported_errors fields
 MAX_DATAGRAM = 2048
 
 KIND_STEP = 1
@@ -68,9 +72,11 @@ STEP_BODY = struct.Struct(
     "<qddd" + "d" * _NPH      # step, wall_time, step_seconds, wait_seconds, phases (this step)
     + "qdd"                   # collective_sequence, samples, tokens (this step)
     + "qd" + "d" * _NPH       # cumulative: steps, step seconds, phase seconds
-    + "dqddqqqB")             # slack s, last arrivals, samples, tokens, checkpoints, dropped, errors, flags
+    + "dqddqqq"               # slack s, last arrivals, samples, tokens, checkpoints, dropped, errors
+    + "qqB")                  # reported dropped, reported errors, flags
 SKEW_BODY = struct.Struct("<qd" + "q" * len(SKEW_BUCKETS))  # count, sum, cumulative bucket counts
-HEARTBEAT_BODY = struct.Struct("<dqdBdqqq")  # wall, last_step, last_step_wall, phase, elapsed, seq, dropped, errors
+# wall, last_step, last_step_wall, phase, elapsed, seq, dropped, errors, reported dropped, reported errors
+HEARTBEAT_BODY = struct.Struct("<dqdBdqqqqq")
 END_BODY = struct.Struct("<dqB")  # wall, last_step, reason
 
 
@@ -118,6 +124,9 @@ class Cumulative:
     checkpoints: int = 0
     dropped_records: int = 0
     internal_errors: int = 0
+    # the dropped_records and internal_errors of the last record delivered before this one
+    reported_dropped: int = 0
+    reported_errors: int = 0
 
 
 @dataclass(slots=True)
@@ -156,6 +165,8 @@ class HeartbeatRecord:
     collective_sequence: int
     dropped_records: int
     internal_errors: int
+    reported_dropped: int = 0
+    reported_errors: int = 0
 
 
 @dataclass(slots=True)
@@ -199,14 +210,17 @@ class Encoder:
             step, wall_time, step_seconds, wait_seconds, *phase_seconds,
             collective_sequence, samples, tokens,
             t.steps, t.step_seconds, *t.phase_seconds, t.slack_seconds, t.last_arrivals,
-            t.samples, t.tokens, t.checkpoints, t.dropped_records, t.internal_errors, flags) + tail
+            t.samples, t.tokens, t.checkpoints, t.dropped_records, t.internal_errors,
+            t.reported_dropped, t.reported_errors, flags) + tail
 
     def heartbeat(self, wall_time: float, last_step: int, last_step_wall_time: float, phase: str,
                   phase_elapsed: float, collective_sequence: int, dropped_records: int = 0,
-                  internal_errors: int = 0) -> bytes:
+                  internal_errors: int = 0, reported_dropped: int = 0,
+                  reported_errors: int = 0) -> bytes:
         return self._hb_prefix + HEARTBEAT_BODY.pack(
             wall_time, last_step, last_step_wall_time, PHASE_INDEX[phase], phase_elapsed,
-            collective_sequence, dropped_records, internal_errors)
+            collective_sequence, dropped_records, internal_errors, reported_dropped,
+            reported_errors)
 
     def end(self, wall_time: float, last_step: int, reason: str = "completed") -> bytes:
         return self._end_prefix + END_BODY.pack(wall_time, last_step, END_REASONS.index(reason))
@@ -324,14 +338,16 @@ class Decoder:
         c = v[7 + p:]
         steps_total, step_s_total = c[0], c[1]
         phase_totals = c[2:2 + p]
-        slack, last_arr, samples_total, tokens_total, ckpts, dropped, errors = c[2 + p:9 + p]
+        (slack, last_arr, samples_total, tokens_total, ckpts, dropped, errors, rep_dropped,
+         rep_errors) = c[2 + p:11 + p]
         if not MIN_WALL <= wall <= MAX_WALL:
             raise ProtocolError("bad_value", f"wall_time {wall!r} is not a plausible unix time")
         _check_floats((step_s, wait_s, *phases), MAX_SECONDS, "durations")
         _check_floats((samples, tokens, step_s_total, *phase_totals, slack, samples_total,
                        tokens_total), MAX_TOTAL, "counters")
         if not (0 <= step <= MAX_STEP and 0 <= seq <= MAX_STEP and 0 <= steps_total <= MAX_STEP
-                and 0 <= last_arr <= steps_total and ckpts >= 0 and dropped >= 0 and errors >= 0):
+                and 0 <= last_arr <= steps_total and ckpts >= 0
+                and 0 <= rep_dropped <= dropped and 0 <= rep_errors <= errors):
             raise ProtocolError("bad_value", "integer field out of range")
         skew = None
         if extra:
@@ -343,22 +359,24 @@ class Decoder:
                 raise ProtocolError("bad_value", "skew histogram buckets are not cumulative")
             skew = SkewHistogram(count, ssum, buckets)
         totals = Cumulative(steps_total, step_s_total, phase_totals, slack, last_arr,
-                            samples_total, tokens_total, ckpts, dropped, errors)
+                            samples_total, tokens_total, ckpts, dropped, errors, rep_dropped,
+                            rep_errors)
         return StepRecord(ident, step, wall, step_s, wait_s, phases, seq, samples, tokens, totals,
                           bool(flags & FLAG_EXACT), bool(flags & FLAG_TOKENS), skew)
 
     def _heartbeat(self, ident: Identity, data: bytes, at: int) -> HeartbeatRecord:
-        wall, last_step, last_wall, phase, elapsed, seq, dropped, errors = self._fixed(
-            HEARTBEAT_BODY, data, at)
+        (wall, last_step, last_wall, phase, elapsed, seq, dropped, errors, rep_dropped,
+         rep_errors) = self._fixed(HEARTBEAT_BODY, data, at)
         if not MIN_WALL <= wall <= MAX_WALL or not (last_wall == 0 or MIN_WALL <= last_wall <= MAX_WALL):
             raise ProtocolError("bad_value", "wall time is not a plausible unix time")
         if phase >= _NPH:
             raise ProtocolError("bad_value", f"phase code {phase}")
         _check_floats((elapsed,), MAX_SECONDS, "phase_elapsed")
-        if not (0 <= last_step <= MAX_STEP and 0 <= seq <= MAX_STEP and dropped >= 0 and errors >= 0):
+        if not (0 <= last_step <= MAX_STEP and 0 <= seq <= MAX_STEP
+                and 0 <= rep_dropped <= dropped and 0 <= rep_errors <= errors):
             raise ProtocolError("bad_value", "integer field out of range")
         return HeartbeatRecord(ident, wall, last_step, last_wall, PHASES[phase], elapsed, seq,
-                               dropped, errors)
+                               dropped, errors, rep_dropped, rep_errors)
 
     def _end(self, ident: Identity, data: bytes, at: int) -> EndRecord:
         wall, last_step, reason = self._fixed(END_BODY, data, at)

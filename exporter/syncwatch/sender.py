@@ -20,6 +20,9 @@ non-blocking ``send`` on a connected socket (~0.4 us). What can go wrong, and wh
   never hears of the rank, and the drop count the rank keeps never reaches it.
 
 ``dropped`` is cumulative; callers put it into their next record so the daemon sees the loss.
+A caller may pass a record's ``counts`` (the drop and error counts it carries) to ``send()``:
+once that record has left, ``delivered`` holds them, and the next records say so, so that a daemon
+meeting the rank anew (after its restart) counts only the drops no record delivered before told of.
 """
 
 from __future__ import annotations
@@ -89,10 +92,12 @@ class Sender:
         the inherited socket object closes only the child's copy of the descriptor."""
         self.dropped = 0
         self.sent = 0
+        self.delivered: tuple[int, int] = (0, 0)  # ``counts`` of the last record delivered
         self._sock: socket.socket | None = None
         self._next_connect = 0.0
         self._backoff = _BACKOFF_MIN
-        self._pending: collections.deque[tuple[float, bytes]] = collections.deque()
+        self._pending: collections.deque[tuple[float, bytes, tuple[int, int] | None]] = \
+            collections.deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -158,37 +163,44 @@ class Sender:
                 self._next_connect = 0.0
             return False
 
-    def send(self, data: bytes) -> bool:
-        """Queue ``data`` for the daemon. Returns True if it left now or waits in the retry queue."""
+    def send(self, data: bytes, counts: tuple[int, int] | None = None) -> bool:
+        """Queue ``data`` for the daemon. Returns True if it left now or waits in the retry queue.
+        ``counts``: the (dropped, internal errors) counts ``data`` reports; ``delivered`` once it
+        has left."""
         try:
             if self._closed:
                 self._drop()
                 return False
             if self._pending:
-                return self._enqueue(data)
+                return self._enqueue(data, counts)
             ok = self._try_send(data)
             if ok:
-                self.sent += 1
+                self._delivered(counts)
                 return True
             if ok is None:
-                return self._enqueue(data)
+                return self._enqueue(data, counts)
             self._drop()
             return False
         except Exception:  # never into the training loop
             self.dropped += 1
             return False
 
+    def _delivered(self, counts: tuple[int, int] | None) -> None:
+        self.sent += 1
+        if counts is not None:
+            self.delivered = counts
+
     def _drop(self) -> None:
         # The retry thread counts too; ``+=`` on an attribute is not atomic across threads.
         with self._lock:
             self.dropped += 1
 
-    def _enqueue(self, data: bytes) -> bool:
+    def _enqueue(self, data: bytes, counts: tuple[int, int] | None) -> bool:
         with self._lock:
             if len(self._pending) >= self._queue_max:
                 self._pending.popleft()
                 self.dropped += 1
-            self._pending.append((time.monotonic() + self.retry_seconds, data))
+            self._pending.append((time.monotonic() + self.retry_seconds, data, counts))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drain, name="syncwatch-sender",
                                                 daemon=True)
@@ -201,7 +213,7 @@ class Sender:
             self._wake.wait(1.0)
             self._wake.clear()
             while self._pending and not self._closed:
-                deadline, data = self._pending[0]
+                deadline, data, counts = self._pending[0]
                 ok = self._try_send(data)
                 if ok is None and time.monotonic() < deadline:
                     time.sleep(0.001)
@@ -210,7 +222,7 @@ class Sender:
                     if self._pending and self._pending[0][1] is data:
                         self._pending.popleft()
                 if ok:
-                    self.sent += 1
+                    self._delivered(counts)
                 else:
                     self._drop()
 

@@ -90,8 +90,8 @@ class RankState:
         self.hb_wall = 0.0
         self.hb_phase: str | None = None
         self.hb_elapsed = 0.0
-        self.dropped = 0                        # highest dropped-records count this process reported
-        self.errors = 0                         # highest internal-errors count this process reported
+        self.dropped = -1                       # highest dropped-records count this process
+        self.errors = -1                        # and internal-errors count reported; -1: none yet
         self.seen = now                         # monotonic time of the last record
         self.ended = False
 
@@ -313,7 +313,8 @@ class State:
             r.last_step_wall = rec.wall_time
         if rec.collective_sequence > r.seq:
             r.seq = rec.collective_sequence
-        self._client_counts(r, totals.dropped_records, totals.internal_errors)
+        self._client_counts(r, totals.dropped_records, totals.internal_errors,
+                            totals.reported_dropped, totals.reported_errors)
         node = r.ident.node
         hists = job.hists.get(node)
         if hists is None:
@@ -327,14 +328,15 @@ class State:
         """The last step's record again, from a rank's shutdown: it carries the results of the
         skew exchange's last window, which no later step record will (a plain duplicate carries
         what the state holds already; an older one, less, and changes nothing)."""
-        t = r.totals
-        if rec.totals.slack_seconds < t.slack_seconds or rec.totals.last_arrivals < t.last_arrivals:
+        held, t = r.totals, rec.totals
+        if t.slack_seconds < held.slack_seconds or t.last_arrivals < held.last_arrivals:
             return
-        r.totals, r.exact = rec.totals, rec.exact
+        r.totals, r.exact = t, rec.exact
         if r.ident.rank == 0 and rec.skew is not None and (
                 job.skew is None or rec.skew.count >= job.skew.count):
             job.skew = rec.skew
-        self._client_counts(r, rec.totals.dropped_records, rec.totals.internal_errors)
+        self._client_counts(r, t.dropped_records, t.internal_errors, t.reported_dropped,
+                            t.reported_errors)
 
     def _rank0_step(self, job: JobState, rec: StepRecord) -> None:
         step = rec.step
@@ -365,16 +367,22 @@ class State:
         if rec.collective_sequence > r.seq:
             r.seq = rec.collective_sequence
         r.ended = False
-        self._client_counts(r, rec.dropped_records, rec.internal_errors)
+        self._client_counts(r, rec.dropped_records, rec.internal_errors, rec.reported_dropped,
+                            rec.reported_errors)
 
     def _end(self, r: RankState, rec: EndRecord) -> None:
         r.ended = True
         if rec.last_step > r.last_step:
             r.last_step = rec.last_step
 
-    def _client_counts(self, r: RankState, dropped: int, errors: int) -> None:
+    def _client_counts(self, r: RankState, dropped: int, errors: int, reported_dropped: int,
+                       reported_errors: int) -> None:
         """Add what a rank's cumulative drop and error counts grew by (records may come late or
-        out of order: a smaller count is an older one)."""
+        out of order: a smaller count is an older one). The first record of a process counts
+        from the counts a record delivered before it carried: this daemon's predecessor (or this
+        daemon, before the rank expired) counted those."""
+        if r.dropped < 0:
+            r.dropped, r.errors = reported_dropped, reported_errors
         if dropped > r.dropped:
             self.client_dropped += dropped - r.dropped
             r.dropped = dropped

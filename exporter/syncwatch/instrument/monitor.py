@@ -408,11 +408,13 @@ class Monitor:
         """Send the last step's record with the totals as they are now."""
         number, wall, step_s, wait, phases, seq, samples, tokens, encoder = self._last
         t = self.totals
+        t.reported_dropped, t.reported_errors = self.sender.delivered
         t.dropped_records = self.sender.dropped
         t.internal_errors = self.errors
         self.sender.send(encoder.step(
             number, wall, step_s, wait, phases, seq, samples, tokens, t, exact=self._exact,
-            has_tokens=self._has_tokens, skew=self._skew_snapshot))
+            has_tokens=self._has_tokens, skew=self._skew_snapshot),
+            (t.dropped_records, t.internal_errors))
 
     def _cut_windows(self) -> None:
         """Submit the full windows: the first of K steps, the next ones of the size its result
@@ -502,10 +504,11 @@ class Monitor:
                 idx, since = SYNC, self.sync_since
             else:
                 idx, since = self.phase_idx, self.phase_since
+            reported = self.sender.delivered
+            counts = (self.sender.dropped, self.errors)
             self.sender.send(self.encoder.heartbeat(
                 time.time(), self.last_step, self.last_step_wall, _PHASE_NAMES[idx],
-                max(now - since, 0) * 1e-9, self.collective_sequence, self.sender.dropped,
-                self.errors))
+                max(now - since, 0) * 1e-9, self.collective_sequence, *counts, *reported), counts)
         except Exception:
             self._error()
 

@@ -114,18 +114,25 @@ class _Rank:
         self.last_step_wall = 0.0
         self.window: list[float] = []
 
+    def counts(self) -> tuple[int, int, int, int]:
+        """(dropped, internal errors, and those of the last record delivered) for a record."""
+        if self.sender is None:
+            return 0, 0, 0, 0
+        return self.sender.dropped, 0, *self.sender.delivered
+
     def totals(self) -> Cumulative:
         return Cumulative(self.steps, self.step_seconds, tuple(self.phase_seconds), self.slack,
-                          self.last_arrivals, self.samples, 0.0, self.checkpoints,
-                          self.sender.dropped if self.sender else 0, 0)
+                          self.last_arrivals, self.samples, 0.0, self.checkpoints, *self.counts())
 
-    def send(self, data: bytes, in_order_within: float = 0.0) -> None:
+    def send(self, data: bytes, in_order_within: float = 0.0,
+             counts: tuple[int, int] | None = None) -> None:
         """Send; with ``in_order_within`` > 0 (fast mode) also wait up to that long for a record
         that met a full socket queue to leave, so the node's records reach the daemon in exactly
-        the order they were produced (a deterministic daemon state, down to float sums)."""
+        the order they were produced (a deterministic daemon state, down to float sums).
+        ``counts``: the (dropped, internal errors) the record carries."""
         if self.sender is None:
             return
-        self.sender.send(data)
+        self.sender.send(data, counts)
         if in_order_within and self.sender.pending():
             deadline = time.monotonic() + in_order_within
             while self.sender.pending() and time.monotonic() < deadline:
@@ -267,8 +274,9 @@ class Driver:
         wall = self._wall(t)
         for i, r in enumerate(self.ranks):
             phase, elapsed = _phase_at(s.phases[i], offset)
+            counts = r.counts()
             r.send(r.encoder.heartbeat(wall, r.last_step, r.last_step_wall, phase, elapsed, r.seq,
-                                       r.sender.dropped if r.sender else 0), self._in_order)
+                                       *counts), self._in_order, counts[:2])
         self.truth.heartbeat_records += len(self.ranks)
         self.truth.records_sent += len(self.ranks)
 
@@ -304,7 +312,8 @@ class Driver:
             truth.reported[i] = totals
             r.send(r.encoder.step(s.step, wall, s.step_seconds, s.waits[i], s.phases[i], r.seq,
                                   p.samples_per_step, 0.0, totals, exact=exact,
-                                  skew=skew if i == 0 else None), self._in_order)
+                                  skew=skew if i == 0 else None), self._in_order,
+                   (totals.dropped_records, totals.internal_errors))
         n = len(self.ranks)
         truth.step_records += n
         truth.records_sent += n
