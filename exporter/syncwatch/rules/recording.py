@@ -55,6 +55,12 @@ def recording_rules(c: Ctx) -> list[dict]:
            f"    <= on (train_job) group_left\n"
            f"    {t.last_arrival_tie:g} * train_job:syncwatch_step_seconds:mean1m\n  )")
 
+    h = c.d(w.restarts)
+    executed = f"max by (train_job) (sum by (train_job, rank) (increase(syncwatch_steps_total[{h}])))"
+    last_step = "syncwatch_last_step{0} and syncwatch_last_step_timestamp_seconds{0}"
+    step_now = f"max by (train_job) ({last_step.format('')})"
+    step_then = f"max by (train_job) ({last_step.format(f' offset {h}')})"
+
     rules = [
         # --- pace and throughput
         {"record": "train_job:syncwatch_steps:rate5m",
@@ -182,10 +188,28 @@ def recording_rules(c: Ctx) -> list[dict]:
                  f"    - min by (train_job) (min_over_time(syncwatch_job_attempt[{c.d(w.restarts)}])),\n"
                  '    "counted", "attempts", "", "")\n'
                  ")"},
+        # Re-run steps: a daemon counts those of the restarts it counts (from the step numbers of
+        # rank 0's old and new process), none of a restart that moved rank 0. Whatever the daemons
+        # saw, the steps the job executed in the window less the progress of its step numbers
+        # (n - (J_end - J_start) = the sum over restarts of old highest - new first + 1) count
+        # them: rank 0's steps summed over its processes (a restart on another node is another
+        # series), the job's step from ranks that completed one in their process (before its first
+        # step a new process reports step 0), 0 where the job has no step an hour ago. The larger
+        # of the two; the estimate's sampling error is at most one scrape interval of steps.
+        {"record": "train_job:syncwatch_rerun_steps:increase1h",
+         "expr": "max by (train_job) (\n"
+                 "  label_replace(\n"
+                 f"    sum by (train_job) (increase(syncwatch_job_rerun_steps_total[{h}])),\n"
+                 '    "counted", "daemons", "", "")\n'
+                 "  or\n"
+                 "  label_replace(\n"
+                 f"    clamp_min(\n      {executed}\n      - on (train_job)\n"
+                 f"      (\n        {step_now}\n        - on (train_job)\n"
+                 f"        ({step_then} or on (train_job) 0 * {step_now})\n      ),\n    0),\n"
+                 '    "counted", "steps", "", "")\n'
+                 ")"},
         {"record": "train_job:syncwatch_rerun:ratio1h",
-         "expr": f"clamp_max(\n"
-                 f"  sum by (train_job) (increase(syncwatch_job_rerun_steps_total[{c.d(w.restarts)}]))\n"
-                 f"  /\n  max by (train_job) (increase(syncwatch_steps_total[{c.d(w.restarts)}])),\n  1\n)"},
+         "expr": f"clamp_max(train_job:syncwatch_rerun_steps:increase1h\n/\n({executed} > 0), 1)"},
         # --- efficiency: per-GPU (= per-rank) throughput against its own trailing baseline. Only
         # windows with samples count ("> 0"): the zeros of a stall, evaluation or checkpoint in the
         # trailing hour lowered the baseline (a 20m stall hid a halved throughput from
