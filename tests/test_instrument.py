@@ -13,7 +13,8 @@ from syncwatch.instrument import identity as ident_mod
 from syncwatch.instrument import run as run_mod
 from syncwatch.instrument.clock import CudaEventClock, HostClock
 from syncwatch.instrument.monitor import Monitor
-from syncwatch.protocol import (PHASE_INDEX, EndRecord, HeartbeatRecord, Identity, StepRecord)
+from syncwatch.protocol import (MAX_ATTEMPT, PHASE_INDEX, EndRecord, HeartbeatRecord, Identity,
+                                StepRecord)
 from syncwatch.sender import Sender
 from syncwatch.skew import WindowResult
 from instrument.receiver import Receiver
@@ -268,6 +269,20 @@ def test_a_step_counter_that_keeps_going_back_starts_a_bounded_number_of_attempt
     assert recs[-1].totals.internal_errors == len(after)  # none of the later numbers is ahead
     warned = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(warned) == 1 and "step(step=0) refused" in warned[0], warned
+    m.shutdown()
+
+
+def test_a_step_number_going_back_at_the_protocols_last_attempt_stays_in_it(rx):
+    """An attempt from the launchers' restart counts can be the protocol's last one
+    (MAX_ATTEMPT - 1): a step number going back then keeps it, rather than failing to encode."""
+    last = MAX_ATTEMPT - 1
+    m = make_monitor(rx, identity=Identity(train_job="unit", attempt=last, rank=0, local_rank=0,
+                                           world_size=4, node="n1", pid=os.getpid()))
+    for s in (1, 2, 1):
+        m.step(1, step=s)
+    recs = steps(rx, 3)
+    assert [(r.step, r.identity.attempt) for r in recs] == [(1, last), (2, last), (1, last)]
+    assert m.errors == 0 and rx.rejected == []
     m.shutdown()
 
 
@@ -772,6 +787,27 @@ def test_identity_from_torchrun_slurm_and_kubernetes():
     assert i.train_job == "mine" and i.attempt == 0
     assert ident_mod.resolve(env={}).train_job.startswith("job-")
     i.encode()  # valid for the protocol
+
+
+def test_attempt_rises_at_every_restart_of_slurm_and_of_torchrun_inside_it():
+    """Under Slurm with torchrun inside, a requeue restarts torchrun, whose restart count starts
+    at 0 again: the attempt went back (2 -> 0), and the daemon took the new attempt's records for
+    stale ones of an older attempt. Slurm's count orders the launches, torchrun's within one."""
+    launches = [(s, t) for s in range(3) for t in range(4)]  # torchrun --max-restarts 3
+    attempts = [ident_mod.attempt_from_env({
+        "SLURM_RESTART_COUNT": str(s), "TORCHELASTIC_RESTART_COUNT": str(t),
+        "TORCHELASTIC_MAX_RESTARTS": "3"}) for s, t in launches]
+    assert attempts == list(range(12))
+    assert ident_mod.attempt_from_env({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2
+    assert ident_mod.attempt_from_env({"SLURM_RESTART_COUNT": "2"}) == 2
+    assert ident_mod.attempt_from_env({"SYNCWATCH_ATTEMPT": "7", "SLURM_RESTART_COUNT": "2",
+                                       "TORCHELASTIC_RESTART_COUNT": "1"}) == 7
+    # the protocol's bound: beyond it the attempt stays at the last value it allows
+    huge = ident_mod.resolve(env={"SLURM_RESTART_COUNT": "5", "TORCHELASTIC_RESTART_COUNT": "1",
+                                  "TORCHELASTIC_MAX_RESTARTS": "1000000"})
+    assert huge.attempt == MAX_ATTEMPT - 1
+    huge.encode()  # valid for the protocol
+    assert ident_mod.attempt_from_env({"SYNCWATCH_ATTEMPT": str(MAX_ATTEMPT)}) == MAX_ATTEMPT - 1
 
 
 def test_torchruns_placeholder_run_id_names_no_job():

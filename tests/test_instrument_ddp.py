@@ -450,3 +450,26 @@ def test_restart_resuming_from_an_earlier_step_counts_rerun_steps(daemon, sock_p
     assert m.value("syncwatch_job_attempt", train_job=job) == 1
     assert m.value("syncwatch_job_restarts_total", train_job=job) == 1
     assert m.value("syncwatch_job_rerun_steps_total", train_job=job) == 10  # steps 21..30 again
+
+
+def test_a_slurm_requeue_of_torchrun_is_a_later_attempt(daemon, sock_path, tmp_path):
+    """Slurm requeues a job whose torchrun had restarted its workers twice: the new torchrun's
+    restart count is 0 again. The attempt went back from 2 to 0 and the daemon ignored the
+    requeued job's records as stale ones of an older attempt (for --rank-ttl, or --job-grace after
+    the end record); it must read as the next attempt, a restart with its re-run steps."""
+    job = "requeued"
+    env = dict(SYNCWATCH_SOCKET=sock_path, SYNCWATCH_JOB=job, SYNCWATCH_SKEW_EVERY="0",
+               TORCHELASTIC_MAX_RESTARTS="3")
+    first = launch(1, ["--instrument", "explicit", "--steps", "30"], tmp_path, "slurm0",
+                   SLURM_RESTART_COUNT="0", TORCHELASTIC_RESTART_COUNT="2", **env)
+    finish(first, tmp_path, "slurm0")
+    scrape_until(daemon, lambda m: m.value("syncwatch_last_step", train_job=job) == 30)
+    second = launch(1, ["--instrument", "explicit", "--steps", "30", "--start-step", "20"],
+                    tmp_path, "slurm1", SLURM_RESTART_COUNT="1", TORCHELASTIC_RESTART_COUNT="0",
+                    **env)
+    finish(second, tmp_path, "slurm1")
+    m = scrape_until(daemon, lambda m: m.value("syncwatch_last_step", train_job=job) == 50)
+    assert m.value("syncwatch_last_step", train_job=job) == 50
+    assert m.value("syncwatch_job_attempt", train_job=job) == 4  # Slurm's 1 x (3 + 1) + 0
+    assert m.value("syncwatch_job_restarts_total", train_job=job) == 1
+    assert m.value("syncwatch_job_rerun_steps_total", train_job=job) == 10

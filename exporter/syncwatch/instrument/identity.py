@@ -2,7 +2,8 @@
 
 Sources, in order: explicit arguments, ``torch.distributed`` (rank and world size when it is
 initialized), the launcher's environment (torchrun/TorchElastic: ``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``; Slurm: ``SLURM_PROCID``,
+``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``,
+``TORCHELASTIC_MAX_RESTARTS``; Slurm: ``SLURM_PROCID``,
 ``SLURM_LOCALID``, ``SLURM_NTASKS``, ``SLURM_JOB_ID``, ``SLURM_RESTART_COUNT``; Kubernetes
 operators set the torchrun variables, and the node name comes from ``SYNCWATCH_NODE`` or
 ``NODE_NAME`` set through the downward API, because a pod's hostname is the pod, not the node).
@@ -17,7 +18,7 @@ import re
 import socket
 import uuid
 
-from ..protocol import Identity
+from ..protocol import MAX_ATTEMPT, Identity
 
 _BAD = re.compile(r"[^A-Za-z0-9_.:@/+=-]")
 
@@ -54,9 +55,18 @@ def job_from_env(env=None) -> str | None:
 
 
 def attempt_from_env(env=None) -> int:
+    """``SYNCWATCH_ATTEMPT``, else the launchers' restart counts, so that every restart of either
+    launcher gives a higher attempt. Under Slurm with torchrun inside, a requeue starts a new
+    torchrun whose ``TORCHELASTIC_RESTART_COUNT`` is 0 again: the launches are ordered by Slurm's
+    count first, torchrun's (at most its ``TORCHELASTIC_MAX_RESTARTS``) within one, as
+    ``slurm × (max restarts + 1) + torchrun``. At most ``MAX_ATTEMPT - 1``, the protocol's bound."""
     env = os.environ if env is None else env
-    return max(0, _env_int(env, "SYNCWATCH_ATTEMPT", "TORCHELASTIC_RESTART_COUNT",
-                           "SLURM_RESTART_COUNT", default=0))
+    attempt = _env_int(env, "SYNCWATCH_ATTEMPT")
+    if attempt is None:
+        slurm = _env_int(env, "SLURM_RESTART_COUNT", default=0)
+        torchrun = _env_int(env, "TORCHELASTIC_RESTART_COUNT", default=0)
+        attempt = slurm * (_env_int(env, "TORCHELASTIC_MAX_RESTARTS", default=0) + 1) + torchrun
+    return min(max(0, attempt), MAX_ATTEMPT - 1)
 
 
 def node_from_env(env=None) -> str:

@@ -31,7 +31,8 @@ import statistics
 import threading
 import time
 
-from ..protocol import MAX_STEP, MAX_TOTAL, PHASE_INDEX, Cumulative, Encoder, Identity
+from ..protocol import (MAX_ATTEMPT, MAX_STEP, MAX_TOTAL, PHASE_INDEX, Cumulative, Encoder,
+                        Identity)
 from ..skew import EXCHANGE_SECONDS, SkewAccumulator, window_size
 from .clock import HostClock
 from .notes import Notes
@@ -489,7 +490,8 @@ class Monitor:
     def _new_attempt(self, number: int) -> None:
         """The step number went backwards: the job resumed from an earlier step in this process."""
         self._new_attempts += 1
-        self.identity = dataclasses.replace(self.identity, attempt=self.identity.attempt + 1)
+        attempt = min(self.identity.attempt + 1, MAX_ATTEMPT - 1)  # the protocol's bound
+        self.identity = dataclasses.replace(self.identity, attempt=attempt)
         self.encoder = Encoder(self.identity)
         log.info("syncwatch: step %d after %d: attempt %d", number, self.last_step,
                  self.identity.attempt)
