@@ -66,10 +66,10 @@ def test_time_scale_shortens_every_window_and_for_but_keeps_names_and_thresholds
     for a, b in zip(full, fast):
         if "for" in a:
             assert _minutes(b["for"]) == pytest.approx(_minutes(a["for"]) * 0.05)
-        wa = [_minutes(w) for w in re.findall(r"\[(\w+)\]|offset (\w+)", a["expr"]) for w in w if w]
-        wb = [_minutes(w) for w in re.findall(r"\[(\w+)\]|offset (\w+)", b["expr"]) for w in w if w]
+        wa = [_minutes(w) for w in re.findall(r"\[(\w+):?\]|offset (\w+)", a["expr"]) for w in w if w]
+        wb = [_minutes(w) for w in re.findall(r"\[(\w+):?\]|offset (\w+)", b["expr"]) for w in w if w]
         assert wb == pytest.approx([x * 0.05 for x in wa])
-        strip = lambda e: re.sub(r"\[\w+\]|offset \w+|\b\d+(\.\d+)?\b", "", e)  # noqa: E731
+        strip = lambda e: re.sub(r"\[\w+:?\]|offset \w+|\b\d+(\.\d+)?\b", "", e)  # noqa: E731
         assert strip(a["expr"]) == strip(b["expr"])
     stall = next(r for r in fast if r.get("alert") == "SyncwatchJobStalled")
     assert "  15\n" in stall["expr"]  # the 5m minimum allowance, scaled, compared with time()

@@ -175,17 +175,21 @@ def recording_rules(c: Ctx) -> list[dict]:
          "expr": f"clamp_min(-avg_over_time(train_job:syncwatch_step_autocorrelation:avg[{r}]), 0)"},
         # --- restarts and re-run work (job-level counters). A daemon counts the restarts it sees
         # rank 0 make; a restart that moves rank 0 to another node is counted by neither daemon
-        # (the new one meets the job at its new attempt), so the rise of the job's attempt over
-        # the window counts too, whichever daemons reported it: the larger of the two
+        # (the new one meets the job at its new attempt), so the job's attempts in the window
+        # count too, whichever daemons reported them: the larger of the two. Attempts, not how
+        # far the number rose: under Slurm with torchrun inside, a requeue raises it by more than
+        # one (instrument/identity.py). The attempts seen at each evaluation of the window
+        # (a daemon reports an attempt of rank 0 for at least --rank-ttl)
         {"record": "train_job:syncwatch_restarts:increase1h",
          "expr": "max by (train_job) (\n"
                  "  label_replace(\n"
-                 f"    sum by (train_job) (increase(syncwatch_job_restarts_total[{c.d(w.restarts)}])),\n"
+                 f"    sum by (train_job) (increase(syncwatch_job_restarts_total[{h}])),\n"
                  '    "counted", "restarts", "", "")\n'
                  "  or\n"
                  "  label_replace(\n"
-                 f"    max by (train_job) (max_over_time(syncwatch_job_attempt[{c.d(w.restarts)}]))\n"
-                 f"    - min by (train_job) (min_over_time(syncwatch_job_attempt[{c.d(w.restarts)}])),\n"
+                 "    count by (train_job) (max_over_time(\n"
+                 f'      (count_values by (train_job) ("attempt", syncwatch_job_attempt))[{h}:]\n'
+                 "    )) - 1,\n"
                  '    "counted", "attempts", "", "")\n'
                  ")"},
         # Re-run steps: a daemon counts those of the restarts it counts (from the step numbers of
