@@ -424,6 +424,36 @@ def test_restarts_and_rerun_steps(daemon, client):
     assert value(m, "syncwatch_last_step", train_job="job-a", rank=0) == 61
 
 
+def test_job_series_come_only_from_the_daemon_that_hears_rank0(sock_path):
+    """A restart moves rank 0 to another node while rank 1 stays here: once rank 0's old process
+    expires, this daemon no longer hears rank 0 and stops reporting the job's series. It kept
+    reporting the old attempt as long as any rank of the job ran here, and the rules, which count
+    the job's attempts across daemons, read that stale attempt as a restart in every hour."""
+    with DaemonThread(config(sock_path, rank_ttl=0.5)) as d:
+        c = Client(d.socket_path)
+        r0, r1 = RankSim(identity(0, world=2, pid=100)), RankSim(identity(1, world=2, pid=101))
+        c.send(r0.step(1, 0.1), r1.step(1, 0.1))
+        wait_records(d.url, 2)
+        assert value(scrape(d.url), "syncwatch_job_attempt", train_job="job-a") == 0
+        # attempt 1: rank 1 here again, rank 0 on another node
+        r1 = RankSim(identity(1, world=2, attempt=1, pid=201))
+
+        def rank0_gone():
+            c.send(r1.step(r1.totals.steps + 1, 0.1))
+            time.sleep(0.05)
+            return series_of(scrape(d.url), train_job="job-a", rank=0) == []
+        wait_for(rank0_gone, 10, "rank 0's old process to expire")
+        m = scrape(d.url)
+        assert value(m, "syncwatch_steps_total", train_job="job-a", rank=1) >= 1
+        assert [k for k in m if k[0].startswith(("syncwatch_job_", "syncwatch_checkpoint"))] == []
+        # rank 0 comes back here (attempt 2): the job's series again, its restarts counted on
+        r0 = RankSim(identity(0, world=2, attempt=2, pid=300))
+        c.send(r0.step(5, 0.1))
+        wait_for(lambda: value(scrape(d.url), "syncwatch_job_attempt", train_job="job-a") == 2,
+                 10, "rank 0 back")
+        assert value(scrape(d.url), "syncwatch_job_restarts_total", train_job="job-a") == 1
+
+
 def test_checkpoint_totals_come_from_rank0(daemon, client):
     r0 = RankSim(identity(0))
     ck = tuple(0.5 if p == "checkpoint" else 0.01 for p in PHASES)

@@ -428,7 +428,7 @@ class State:
                 rows = [(r, r.ident, r.totals, r.exact, r.has_tokens, r.last_step, r.last_step_wall,
                          r.seq, r.hb_phase, r.hb_elapsed) for r in ranks]
                 hists = {node: (a.copy(), b.copy()) for node, (a, b) in job.hists.items()}
-                raw.append((name, rows, hists, job.r0_pid is not None, job.world_size, job.attempt,
+                raw.append((name, rows, hists, 0 in job.ranks, job.world_size, job.attempt,
                             job.skew, job.restarts, job.rerun_steps, job.checkpoint_seconds,
                             job.checkpoints))
             records, rejected = self.records, dict(self.rejected)
