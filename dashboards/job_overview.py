@@ -67,7 +67,8 @@ def build() -> db.Dashboard:
             .thresholds(thresholds((None, "green"), (0.5, "orange"), (0.8, "red"))).min(0).max(1))
         .with_panel(
             panel(stat.Panel(), "World size and attempt",
-                  "Ranks in the job and the current attempt (1 = never restarted).",
+                  "Ranks in the job and the current attempt (0 = never restarted; a Slurm requeue of a "
+                  "torchrun job adds torchrun's unused restarts + 1).",
                   query(f'max by (train_job) (syncwatch_job_world_size{{{JOB}}})', "world size"),
                   query(f'max by (train_job) (syncwatch_job_attempt{{{JOB}}})', "attempt"),
                   w=4, h=4))
