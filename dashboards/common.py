@@ -49,13 +49,6 @@ def estimated(record: str) -> str:
     return f'({record} and on (train_job) train_job_rank:syncwatch_sync_wait:mean5m{{{JOB}}})'
 
 
-# Shared PromQL expressions (per train job).
-#: Share of all computed steps that were repeats after restarts, since the job began.
-RERUN_RATIO = (f'max by (train_job) (syncwatch_job_rerun_steps_total{{{JOB}}})'
-               f' / on (train_job) (max by (train_job) (syncwatch_job_rerun_steps_total{{{JOB}}})'
-               f' + on (train_job) max by (train_job) (syncwatch_last_step{{{JOB}}}))')
-
-
 def query(expr: str, legend: str = "", *, instant: bool = False, table: bool = False) -> prometheus.Dataquery:
     """One Prometheus query; ``instant`` for tables and bars that show the value at the range end."""
     q = prometheus.Dataquery().expr(expr).datasource(DATASOURCE)

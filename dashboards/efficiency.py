@@ -5,7 +5,7 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import stat, timeseries
 
-from .common import (JOB, RATE, RERUN_RATIO, dashboard, estimated, legend_table, panel, query,
+from .common import (JOB, RATE, dashboard, estimated, legend_table, panel, query,
                      thresholds, train_job_variable, unit_override)
 
 UID = "syncwatch-efficiency"
@@ -118,11 +118,12 @@ def build() -> db.Dashboard:
         .with_row(db.Row("Work lost"))
         .with_panel(
             panel(timeseries.Panel(), "Re-run ratio",
-                  "Share of all computed steps that repeated work lost at a restart (steps between "
-                  "the last checkpoint and the failure), since the job began and over the last hour "
-                  "(the alerting view). Each step up is one restart; a tall step says the checkpoint "
-                  "interval is too long for the failure rate.",
-                  query(RERUN_RATIO, "since the job began"),
+                  "Share of the steps computed in the last hour that repeated work lost at a restart "
+                  "(steps between the last checkpoint and the failure), counted across the node "
+                  "daemons: a restart that moved rank 0 to another node included (the alerting "
+                  "view). Each step up is one restart; a tall step says the checkpoint interval is "
+                  "too long for the failure rate. Not since the job began: no daemon holds the "
+                  "re-runs of a restart that moved rank 0.",
                   query(f'train_job:syncwatch_rerun:ratio1h{{{JOB}}}', "last hour"),
                   unit="percentunit")
             .min(0))

@@ -22,7 +22,7 @@ COLUMNS = (
     ("efficiency", "percentunit", "max by (train_job) (train_job:syncwatch_efficiency:ratio_to_baseline)"),
     ("mean step", "s", "max by (train_job) (train_job:syncwatch_step_seconds:mean5m)"),
     ("world size", "short", "max by (train_job) (syncwatch_job_world_size)"),
-    ("restarts", "short", "max by (train_job) (syncwatch_job_restarts_total)"),
+    ("restarts 1h", "short", "max by (train_job) (train_job:syncwatch_restarts:increase1h)"),
     ("since last step", "s", "time() - max by (train_job) (syncwatch_last_step_timestamp_seconds)"),
     ("alerts", "short", 'count by (train_job) (ALERTS{train_job!=""})'),
 )

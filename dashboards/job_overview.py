@@ -74,10 +74,14 @@ def build() -> db.Dashboard:
                   w=4, h=4))
         .with_panel(
             panel(stat.Panel(), "Restarts and re-run steps",
-                  "Restarts since the job began and the steps repeated after them (steps between the "
-                  "last checkpoint and each failure). Any re-run work is throughput paid twice.",
-                  query(f'max by (train_job) (syncwatch_job_restarts_total{{{JOB}}})', "restarts"),
-                  query(f'max by (train_job) (syncwatch_job_rerun_steps_total{{{JOB}}})', "re-run steps"),
+                  "Restarts in the last hour and the steps repeated after them (steps between the "
+                  "last checkpoint and each failure), counted across the node daemons by the "
+                  "recording rules: a restart that moved rank 0 to another node, which no daemon "
+                  "counts, included. Not since the job began: that needs the job's whole history "
+                  "of attempts and steps, which no daemon holds and Prometheus only within its "
+                  "retention. Any re-run work is throughput paid twice.",
+                  query(f'train_job:syncwatch_restarts:increase1h{{{JOB}}}', "restarts (1h)"),
+                  query(f'train_job:syncwatch_rerun_steps:increase1h{{{JOB}}}', "re-run steps (1h)"),
                   w=4, h=4)
             .thresholds(thresholds((None, "green"), (1, "orange"))))
         .with_row(db.Row("Which failure mode"))
@@ -163,11 +167,14 @@ def build() -> db.Dashboard:
         .with_row(db.Row("Restarts and alerts"))
         .with_panel(
             panel(timeseries.Panel(), "Restarts and re-run work",
-                  "Attempt number and cumulative steps re-run after restarts. Each step up of the "
-                  "attempt line is a restart; the re-run line rises by the steps lost since the last "
-                  "checkpoint (a long checkpoint interval makes each restart expensive).",
+                  "Attempt number, and restarts and steps re-run after them over the hour before "
+                  "each point, counted across the node daemons (a restart that moved rank 0 to "
+                  "another node included). Each step up of the attempt line is a restart; the "
+                  "re-run line rises by the steps lost since the last checkpoint (a long checkpoint "
+                  "interval makes each restart expensive) and falls an hour later.",
                   query(f'max by (train_job) (syncwatch_job_attempt{{{JOB}}})', "attempt"),
-                  query(f'max by (train_job) (syncwatch_job_rerun_steps_total{{{JOB}}})', "re-run steps"),
+                  query(f'train_job:syncwatch_restarts:increase1h{{{JOB}}}', "restarts (1h)"),
+                  query(f'train_job:syncwatch_rerun_steps:increase1h{{{JOB}}}', "re-run steps (1h)"),
                   unit="short")
             .min(0))
         .with_panel(

@@ -18,6 +18,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 from dashboards import generate, queries  # noqa: E402
+from dashboards.fleet import COLUMNS  # noqa: E402
 
 #: The uids links and bookmarks point at. Changing one breaks every saved link: add, never rename.
 EXPECTED_UIDS = {"syncwatch-job-overview", "syncwatch-straggler-map", "syncwatch-hardware",
@@ -320,4 +321,55 @@ def test_without_the_skew_exchange_the_panels_read_the_estimates_from_mean_waits
          [{"labels": '{node="a"}', "value": 0.3}, {"labels": '{node="b"}', "value": 0}]),
         (expr("syncwatch-efficiency", "GPUs idle at barriers"), "12m",
          [{"labels": '{train_job="j"}', "value": 0.1}]),
+    ], rule_files=RECORDING_RULES)
+
+
+def _moved_rank0_job() -> dict[str, str]:
+    """Job ``j``, one step a second, steps numbered by the job: rank 0 runs on node a (attempt 0)
+    until step 1200 at 20 m; the restart puts it on node b (attempt 1, from 22 m), which resumes at
+    step 901: 300 steps run again. Daemon a never hears rank 0 again and b meets the job at attempt 1,
+    so neither counts the restart or its re-runs (their counters stay 0); only the attempts across
+    daemons and the steps against the step numbers show them."""
+    old, new = 'train_job="j", rank="0", instance="a:9477"', 'train_job="j", rank="0", instance="b:9477"'
+    job_a, job_b = 'train_job="j", instance="a:9477"', 'train_job="j", instance="b:9477"'
+    return {
+        f'syncwatch_steps_total{{{old}}}': "0+15x80",
+        f'syncwatch_last_step{{{old}}}': "0+15x80",
+        f'syncwatch_last_step_timestamp_seconds{{{old}}}': "0+15x80",
+        f'syncwatch_job_attempt{{{job_a}}}': "0x80",
+        f'syncwatch_job_restarts_total{{{job_a}}}': "0x80",
+        f'syncwatch_job_rerun_steps_total{{{job_a}}}': "0x80",
+        f'syncwatch_steps_total{{{new}}}': "_x88 15+15x151",
+        f'syncwatch_last_step{{{new}}}': "_x88 915+15x151",
+        f'syncwatch_last_step_timestamp_seconds{{{new}}}': "_x88 1335+15x151",
+        f'syncwatch_job_attempt{{{job_b}}}': "_x88 1x151",
+        f'syncwatch_job_restarts_total{{{job_b}}}': "_x88 0x151",
+        f'syncwatch_job_rerun_steps_total{{{job_b}}}': "_x88 0x151",
+    }
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus)")
+def test_restart_panels_count_a_restart_that_moved_rank_0_to_another_node(tmp_path):
+    """At 50 m the job overview's restart stat and time series, the fleet's restarts column and the
+    re-run ratio show the restart and its 300 re-run steps (300 plus half a scrape interval of
+    steps, 7.5, from increase()'s extrapolation at the end of rank 0's series on a), a ratio of
+    0.11 of the hour's ~2,900 executed steps: the rules' records, which count across daemons.
+    They read the daemons' counters and showed 0 restarts and 0 re-run steps (the re-run ratio
+    "since the job began" 0)."""
+    def expr(uid: str, title: str, ref: str) -> str:
+        return f"round({_panel_expr(uid, title, ref)}, 0.01)"
+
+    stat, work = "Restarts and re-run steps", "Restarts and re-run work"
+    ov = "syncwatch-job-overview"
+    fleet = dict(zip("ABCDEFGHIJ", (c[0] for c in COLUMNS)))
+    restarts_ref = next(ref for ref, name in fleet.items() if name.startswith("restarts"))
+    _promtool_expect(tmp_path, _moved_rank0_job(), [
+        (expr(ov, stat, "A"), "50m", [{"labels": '{train_job="j"}', "value": 1}]),
+        (expr(ov, stat, "B"), "50m", [{"labels": '{train_job="j"}', "value": 307.5}]),
+        (expr(ov, work, "B"), "50m", [{"labels": '{train_job="j"}', "value": 1}]),
+        (expr(ov, work, "C"), "50m", [{"labels": '{train_job="j"}', "value": 307.5}]),
+        (expr("syncwatch-fleet", "Train jobs by instability", restarts_ref), "50m",
+         [{"labels": '{train_job="j"}', "value": 1}]),
+        (expr("syncwatch-efficiency", "Re-run ratio", "A"), "50m",
+         [{"labels": '{train_job="j"}', "value": 0.11}]),
     ], rule_files=RECORDING_RULES)
