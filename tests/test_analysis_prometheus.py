@@ -56,11 +56,44 @@ def job_series(job: str, ranks: int = 4, ranks_per_node: int = 2, restarts: dict
     return out
 
 
+def moved_job_series(job: str, fail: float = T0 + 1000, back: int = 300, gap: int = 20):
+    """Two ranks, one per node, steps numbered by the job: rank 0 on node 0 runs attempt 0 until
+    ``fail``; the restart (``gap`` seconds later) puts it on node 1 as attempt 1, resuming ``back``
+    steps before the failed step. Daemon 0 never hears rank 0 again and daemon 1 meets the job at
+    attempt 1: both daemons' job counters stay 0."""
+    out = []
+    failed = int(fail - T0)
+    for attempt, (first, last) in enumerate(((T0, fail), (fail + gap, T0 + SPAN))):
+        times = range(int(first), int(last) + 1, SCRAPE)
+        resume = failed - back if attempt else 0
+        for r in range(2):
+            node = (r + attempt) % 2
+            lab = {"train_job": job, "rank": str(r), "instance": f"10.0.0.{node}:9477"}
+            out.append(("syncwatch_rank_info", {**lab, "node": f"node-{node}", "local_rank": "0"},
+                        [(t, 1) for t in times]))
+            for name, per_second in (("syncwatch_steps_total", 1.0), ("syncwatch_step_seconds_total", 1.0),
+                                     ("syncwatch_slack_seconds_total", 0.05),
+                                     ("syncwatch_last_arrivals_total", float(r)),
+                                     ("syncwatch_samples_total", 8.0)):
+                out.append((name, lab, [(t, (t - first) * per_second) for t in times]))
+            out.append(("syncwatch_phase_seconds_total", {**lab, "phase": "sync"},
+                        [(t, (t - first) * 0.2) for t in times]))
+            out.append(("syncwatch_last_step", lab, [(t, resume + t - first) for t in times]))
+            out.append(("syncwatch_last_step_timestamp_seconds", lab, [(t, t) for t in times]))
+            if r == 0:
+                job_lab = {"train_job": job, "instance": lab["instance"]}
+                out.append(("syncwatch_job_attempt", job_lab, [(t, attempt) for t in times]))
+                for name in ("syncwatch_job_restarts_total", "syncwatch_job_rerun_steps_total"):
+                    out.append((name, job_lab, [(t, 0) for t in times]))
+    return out
+
+
 @pytest.fixture(scope="module")
 def prom(tmp_path_factory):
     series = [*job_series("steady"),
               *job_series("restarting", restarts={T0 + 302: 20, T0 + 1000: 30, T0 + 1800: 40}),
-              *job_series("daemon-restart", restarts={T0 + 1000: 30, T0 + 1800: 40}, daemon_restart=T0 + 1400)]
+              *job_series("daemon-restart", restarts={T0 + 1000: 30, T0 + 1800: 40}, daemon_restart=T0 + 1400),
+              *moved_job_series("moved")]
     with backfilled_prometheus(tmp_path_factory.mktemp("prom"), series) as p:
         yield p.url
 
@@ -131,6 +164,18 @@ def test_restarts_in_range_from_the_range_start(prom, job, start, end, restarts,
     range begun just before an incident read as healthy), and a reset counter subtracted."""
     d = _diagnose(monkeypatch, capsys, prom, job, start, end)
     assert (d["scores"]["restarts"], d["scores"]["rerun_steps"]) == (restarts, rerun)
+    assert ("checkpoint_restart" in {f["mode"] for f in d["findings"]}) == (restarts > 0)
+
+
+@pytest.mark.parametrize(("start", "end", "restarts"), [(T0 + 600, T0 + 2400, 1), (T0 + 1100, T0 + 2400, 0)])
+def test_a_restart_that_moved_rank_0_to_another_node_is_counted(prom, start, end, restarts, monkeypatch, capsys):
+    """Rank 0 moves from node 0 to node 1 at a restart that resumes 300 steps back: neither daemon
+    counts it (their counters read 0 restarts and 0 re-run steps, and diagnose found nothing). The
+    job's distinct attempts in range count the restart, and its executed steps less the progress of
+    its step numbers the re-run steps (within a scrape interval of steps per series boundary)."""
+    d = _diagnose(monkeypatch, capsys, prom, "moved", start, end)
+    assert d["scores"]["restarts"] == restarts
+    assert d["scores"]["rerun_steps"] == (pytest.approx(300, abs=2 * SCRAPE) if restarts else 0)
     assert ("checkpoint_restart" in {f["mode"] for f in d["findings"]}) == (restarts > 0)
 
 

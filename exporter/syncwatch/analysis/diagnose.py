@@ -457,9 +457,10 @@ def detect_restarts(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
         return []
     steps = s["steps"] or 0.0
     span = v.end - v.start
-    evidence = [{"series": "syncwatch_job_restarts_total", "value": restarts,
+    evidence = [{"series": "syncwatch_job_restarts_total, syncwatch_job_attempt", "value": restarts,
                  "reading": f"{restarts:.0f} restart(s) in {span / 60:.1f} min"},
-                {"series": "syncwatch_job_rerun_steps_total", "value": rerun,
+                {"series": "syncwatch_job_rerun_steps_total, syncwatch_steps_total - syncwatch_last_step",
+                 "value": rerun,
                  "reading": f"{rerun:.0f} steps computed twice ({pct(rerun / steps if steps else None)} of the steps run)"}]
     options = ["find and remove the failing component: cordon the node behind the failures (XID errors, "
                "link flaps, ECC) before the next restart",

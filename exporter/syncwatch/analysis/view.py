@@ -75,6 +75,8 @@ class JobView:
     checkpoints: float | None = None                     # checkpoints written in the range
     restarts_at_start: float | None = None               # the two counters at the range start
     rerun_steps_at_start: float | None = None            # (None: unknown)
+    restarts_from_attempts: float | None = None          # attempts begun in range, across daemons
+    rerun_steps_from_steps: float | None = None          # executed steps less step-number progress
 
     # ---- job-level sums
     @property
@@ -157,12 +159,22 @@ class JobView:
     def restarts_in_range(self) -> tuple[float, float]:
         """(restarts, re-run steps) between the range start and its end.
 
-        Counted from the counters' values at the range start, not at the end of the first
-        window: a restart inside the first window is one of the range's. A counter that falls
-        was reset (the rank-0 daemon restarted) and counts from zero again, as ``increase()``.
+        The daemons' counters count from their values at the range start, not at the end of the
+        first window: a restart inside the first window is one of the range's. A counter that
+        falls was reset (the rank-0 daemon restarted) and counts from zero again, as ``increase()``.
+        A daemon counts only the restarts it sees rank 0 make, none that moved rank 0 to another
+        node, so the attempts begun in range across daemons count too, the larger of the two.
+        Where the attempts show restarts the counters missed, the re-run steps are the larger of
+        the counters' and the executed steps less the progress of the step numbers (which counts
+        every restart's, whatever daemons saw it, to a scrape interval of steps per series
+        boundary); elsewhere the counters' exact count stands.
         """
-        return (_increase(self.restarts_at_start, self.restarts),
-                _increase(self.rerun_steps_at_start, self.rerun_steps))
+        counted = _increase(self.restarts_at_start, self.restarts)
+        rerun = _increase(self.rerun_steps_at_start, self.rerun_steps)
+        restarts = max(counted, self.restarts_from_attempts or 0.0)
+        if restarts > counted and self.rerun_steps_from_steps is not None:
+            rerun = max(rerun, self.rerun_steps_from_steps)
+        return restarts, rerun
 
     def steps_per_window(self) -> list[float]:
         """Job steps per window (the mean over ranks of each rank's steps)."""
@@ -305,6 +317,25 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
     # counts from zero) started inside the range
     at_start = {name: prom.scalar(f"max(syncwatch_job_{name}_total{{{sel}}})", start, default=0.0)
                 for name in ("restarts", "rerun_steps")}
+    # restarts across daemons: the attempts rank 0's daemons reported in range that were not
+    # running at its start (all but the first where none was), and the
+    # steps executed (a rank's, summed over its series: a restart on another node is another
+    # one) less the progress of the job's step (ranks that completed a step in their process:
+    # before its first, a new process reports step 0), from 0 where it had none at the start
+    def attempts(expr: str, t: float) -> set[str]:
+        return {label(k, "attempt") for k in prom.query(f'group by (attempt) ({expr})', t)}
+
+    values = f'count_values("attempt", syncwatch_job_attempt{{{sel}}})'
+    seen = attempts(f"max_over_time(({values})[{span:.0f}s:])", end)
+    before = attempts(values, start)    # the attempts running at the start (an old one lingers)
+    restarts_from_attempts = float(len(seen - before) if before else max(0, len(seen) - 1))
+    job_step = f"max(syncwatch_last_step{{{sel}}} and syncwatch_last_step_timestamp_seconds{{{sel}}})"
+    step_end = [x for x in job_series(job_step) if x is not None]
+    rerun_from_steps = None
+    if step_end:
+        executed = max(sum(x for x in row if x is not None) for row in per_rank["steps"].values())
+        progress = step_end[-1] - prom.scalar(job_step, start, default=0.0)
+        rerun_from_steps = float(max(0, round(executed - progress)))
     return JobView(
         job=job, source=prom.url, start=start, end=end, window=width, times=times,
         rank_node=rank_node, per_rank=per_rank,
@@ -313,7 +344,8 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
         restarts=job_series(f"max(syncwatch_job_restarts_total{{{sel}}})"),
         rerun_steps=job_series(f"max(syncwatch_job_rerun_steps_total{{{sel}}})"),
         hardware=hardware, samples_per_rank_step=samples, checkpoints=checkpoints,
-        restarts_at_start=at_start["restarts"], rerun_steps_at_start=at_start["rerun_steps"])
+        restarts_at_start=at_start["restarts"], rerun_steps_at_start=at_start["rerun_steps"],
+        restarts_from_attempts=restarts_from_attempts, rerun_steps_from_steps=rerun_from_steps)
 
 
 def nearest_per_window(points: list[tuple[float, float]], times: list[float],
