@@ -42,6 +42,24 @@ def test_persistent_straggler_names_rank_and_node():
     assert any(e["series"].startswith("syncwatch_last_arrivals_total") for e in f.evidence)
 
 
+def test_scores_are_the_simulators_truth():
+    """The figures diagnose reports, from the model's own per-step truth: mean step, sync tax,
+    coupling (all ranks' slack over all rank-time), straggler concentration, steps, and the
+    collective time (the smallest wait; no congestion episode in this run)."""
+    truth = sim.run_scenario("straggler", nodes=4, ranks_per_node=8, seed=0)
+    s = diagnose(recording.to_view(recording.from_ground_truth(truth, start_wall=START), "test")).scores
+    world, steps = truth.params.world_size, truth.steps
+    rank_time = world * sum(st.step_seconds for st in steps)
+    assert truth.congested_steps == 0
+    assert s["steps"] == truth.executed_steps == 300
+    assert s["mean_step_seconds"] == pytest.approx(sum(st.step_seconds for st in steps) / 300, rel=1e-9)
+    assert s["sync_tax"] == pytest.approx(sum(sum(st.waits) for st in steps) / rank_time, rel=1e-9)
+    assert s["coupling"] == pytest.approx(sum(truth.slack_seconds) / rank_time, rel=1e-9)
+    assert s["straggler_concentration"] == pytest.approx(
+        max(truth.last_arrivals) / sum(truth.last_arrivals), rel=1e-9)
+    assert s["collective_seconds"] == pytest.approx(truth.params.collective_seconds, rel=1e-9)
+
+
 def test_straggler_on_a_throttling_node_is_also_thermal_with_high_confidence():
     run = recorded("straggler")
     ts = [s["t"] for s in run["steps"]]
