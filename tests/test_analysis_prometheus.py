@@ -17,6 +17,7 @@ import time
 import pytest
 
 from analysis_helpers import backfilled_prometheus, run_cli, victoriametrics
+from syncwatch.analysis.orderstats import normal_max_moments
 from syncwatch.analysis.view import nearest_per_window
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
@@ -115,6 +116,24 @@ def test_every_window_is_read_whatever_its_width(prom, span, monkeypatch, capsys
     assert d["steps"] == pytest.approx(span, rel=0.02)
     assert d["scores"]["mean_step_seconds"] == pytest.approx(1.0, rel=0.01)
     assert d["scores"]["sync_tax"] == pytest.approx(0.2, rel=0.01)
+    assert d["scores"]["coupling"] == pytest.approx(0.05, rel=0.01)
+    assert d["scores"]["collective_seconds"] == pytest.approx(0.15, rel=0.01)
+    assert d["scores"]["straggler_concentration"] == 1.0  # the last rank arrives last every step
+
+
+def test_project_measures_the_counters(prom, monkeypatch, capsys):
+    """``project`` from Prometheus measures what the counters hold: 2 nodes of 2 ranks, 1 s
+    steps of 0.8 s compute, a 0.15 s collective (sync less slack) and 5 % coupling; its per-rank
+    spread is the one whose expected maximum over 4 ranks is the 50 ms slack."""
+    code, out, err = run_cli(monkeypatch, capsys, [
+        "project", "--prometheus", prom, "--job", "steady", "--start", str(T0 + 300),
+        "--end", str(T0 + 1260), "--json"])
+    assert code == 0, err
+    m = json.loads(out)["measured"]
+    assert (m["nodes"], m["ranks"], m["steps"]) == (2, 4, 960)
+    expected = {"mean_step": 1.0, "mean_compute": 0.8, "collective": 0.15, "coupling": 0.05,
+                "samples_per_rank_step": 8.0, "sigma": 0.05 / normal_max_moments(4)[0]}
+    assert {k: m[k] for k in expected} == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.fixture(scope="module")
