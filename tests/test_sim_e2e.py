@@ -88,7 +88,7 @@ def test_exported_totals_equal_the_simulators_truth(cluster):
     daemons = cluster(nodes)
     truth, scraped = run_through(daemons, "straggler", nodes, rpn, 300)
     job = truth.job
-    window_cv = truth.cv(100)
+    window_cv, window_ac = truth.cv(100), truth.autocorrelation(100)  # W = 100 steps (DESIGN.md)
     exported_last = {}
     for g in range(nodes * rpn):
         n = g // rpn
@@ -105,7 +105,8 @@ def test_exported_totals_equal_the_simulators_truth(cluster):
         assert value(sm, "syncwatch_slack_seconds_total", **lab) == pytest.approx(truth.slack_seconds[g], rel=1e-9)
         exported_last[g] = value(sm, "syncwatch_last_arrivals_total", **lab)
         assert exported_last[g] == truth.last_arrivals[g]
-        assert value(sm, "syncwatch_step_cv", **lab) == pytest.approx(window_cv, rel=0.05)
+        assert value(sm, "syncwatch_step_cv", **lab) == pytest.approx(window_cv, rel=1e-9)
+        assert value(sm, "syncwatch_step_autocorrelation", **lab) == pytest.approx(window_ac, rel=1e-9)
         assert value(sm, "syncwatch_last_step", **lab) == 300
         # a rank's series live on its own node's daemon only
         for other in range(nodes):
