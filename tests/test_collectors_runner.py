@@ -48,12 +48,34 @@ class Partial(Const):
         return super().update(errors)
 
 
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class Taking:
+    """``inner`` whose update takes ``seconds`` of ``clock``."""
+
+    def __init__(self, inner, clock: Clock, seconds: float):
+        self.inner, self.clock, self.seconds = inner, clock, seconds
+
+    def update(self, errors):
+        self.clock.t += self.seconds
+        return self.inner.update(errors)
+
+
 def value(runner, metric, **labels):
     return registry_of(runner.collect()).get_sample_value(metric, labels)
 
 
 def test_success_duration_and_isolation():
-    runner = CollectorRunner({"const": Const(), "broken": Broken(), "absent": Absent(), "partial": Partial("b", 2)})
+    clock = Clock()
+    took = {"const": 0.25, "broken": 0.5, "absent": 0.125, "partial": 1.0}
+    inner = {"const": Const(), "broken": Broken(), "absent": Absent(), "partial": Partial("b", 2)}
+    runner = CollectorRunner({name: Taking(c, clock, took[name]) for name, c in inner.items()}, clock=clock)
     runner.run_once()
     ok = "syncwatch_collector_success"
     assert value(runner, ok, collector="const") == 1
@@ -62,8 +84,8 @@ def test_success_duration_and_isolation():
     assert value(runner, ok, collector="partial") == 0  # data served, problem reported
     assert value(runner, "syncwatch_test_value", device="a") == 1
     assert value(runner, "syncwatch_test_value", device="b") == 2
-    for name in ("const", "broken", "absent", "partial"):
-        assert value(runner, "syncwatch_collector_duration_seconds", collector=name) >= 0
+    for name, seconds in took.items():  # each its own update's time, failed or not
+        assert value(runner, "syncwatch_collector_duration_seconds", collector=name) == seconds
 
 
 def test_errors_are_logged_rate_limited(caplog):
