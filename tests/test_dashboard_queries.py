@@ -145,7 +145,9 @@ def test_job_overview_reads_as_a_persistent_straggler(run):
     (conc,) = run.panel(uid, "Straggler concentration")
     assert _mean(conc) > 0.7
     (coupling,) = run.panel(uid, "Coupling score")
-    assert _mean(coupling) > 0.02
+    truth = run.box.sims[0].truth  # the whole run's: the panel's windows follow it within ~5 %
+    assert _mean(coupling) == pytest.approx(
+        sum(truth.slack_seconds) / sum(r.step_seconds for r in truth.reported), rel=0.15)
     ideal = run.panel(uid, "Throughput against ideal linear scaling", "B")
     measured = run.panel(uid, "Throughput against ideal linear scaling", "A")
     assert _mean(ideal[0]) >= 0.9 * _mean(measured[0])
@@ -156,9 +158,11 @@ def test_job_overview_reads_as_a_persistent_straggler(run):
 
 def test_restart_panels_count_the_restarts(run):
     uid = "syncwatch-job-overview"
-    restarts = run.panel(uid, "Restarts and re-run steps", "A", train_job=RESTARTS)
-    rerun = run.panel(uid, "Restarts and re-run steps", "B", train_job=RESTARTS)
-    assert max(_value(s) for s in restarts) >= 1 and max(_value(s) for s in rerun) > 0
+    (restarts,) = run.panel(uid, "Restarts and re-run steps", "A", train_job=RESTARTS)
+    (rerun,) = run.panel(uid, "Restarts and re-run steps", "B", train_job=RESTARTS)
+    n = _value(restarts)  # the simulator restarts twice; both panels read the same scrape
+    assert n in (1, 2)
+    assert _value(rerun) == sum(r.rerun_steps for r in run.box.sims[1].truth.restarts[:int(n)])
     ratio = run.panel("syncwatch-efficiency", "Re-run ratio", "A", train_job=RESTARTS)
     assert 0 < _mean(ratio[0]) < 1
     none = run.panel(uid, "Restarts and re-run steps", "A", train_job=STRAGGLER)
