@@ -83,7 +83,8 @@ def test_stack_scrapes_the_demo_evaluates_rules_and_stops_cleanly():
         value = wait_for(lambda: api(prom_port, "query",
                                      query=f'train_job:syncwatch_step_seconds:mean5m{{train_job="{JOB}"}}')["result"],
                          30, "a recording rule's value for the demo job", procs)
-        assert float(value[0]["value"][1]) > 0
+        # the demo's straggler: its 0.05 s of compute 8 % slower, then the collective (0.15 x)
+        assert float(value[0]["value"][1]) == pytest.approx(0.05 * (1.08 + 0.15), rel=0.05)
         with urllib.request.urlopen(f"http://127.0.0.1:{am_port}/api/v2/status", timeout=5) as r:
             assert json.loads(r.read())["cluster"]["status"] in ("ready", "disabled")
     finally:
