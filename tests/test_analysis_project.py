@@ -38,6 +38,24 @@ def test_gaussian_projection_from_counters_follows_expected_maximum():
     assert strong["mean_step_seconds"] < p["mean_step_seconds"] / 4
 
 
+def test_a_recorded_runs_measurement_is_the_simulators_truth():
+    """What ``project`` prints as measured, from the model's per-step truth: step time, its CV
+    (the simulator's own), coupling (all slack over all rank-time), the ranks' mean compute
+    (step less wait) and the collective (the smallest wait; no congestion in this run)."""
+    truth = sim_driver.Driver(sim_model.Params(nodes=4), 7, targets=None, job="proj").run(500)
+    run = recording.from_ground_truth(truth)
+    m = project.measure_run(run, run["steps"])
+    world, times = truth.params.world_size, [st.step_seconds for st in truth.steps]
+    assert truth.congested_steps == 0
+    assert (m.nodes, m.ranks, m.steps) == (4, world, 500)
+    assert m.mean_step == pytest.approx(sum(times) / 500, rel=1e-9)
+    assert m.step_cv == pytest.approx(sim_model.step_cv(times), rel=1e-9)
+    assert m.coupling == pytest.approx(sum(truth.slack_seconds) / (world * sum(times)), rel=1e-9)
+    assert m.mean_compute == pytest.approx(
+        sum(st.step_seconds - w for st in truth.steps for w in st.waits) / (world * 500), rel=1e-9)
+    assert m.collective == pytest.approx(truth.params.collective_seconds, rel=1e-9)
+
+
 def test_projection_to_8n_matches_the_simulated_8n_cluster():
     """Measure 4 nodes x 8 ranks, project to 32 nodes, compare with a simulated 32-node cluster."""
     small = simulate(4, 4000, seed=0)
