@@ -137,6 +137,8 @@ def test_async_collective_is_counted_not_timed(rx):
 
 def test_ddp_gradient_wait_is_last_bucket_ready_to_done(rx):
     m = make_monitor(rx)
+    with m.phase("forward"):      # another blocking collective: sync time, not the gradient wait
+        m.timed_collective(time.sleep, (0.05,), {}, async_index=1)
     with m.phase("backward"):
         m.bucket_ready()          # bucket 0 ready: its collective overlaps compute
         time.sleep(0.02)
@@ -148,7 +150,8 @@ def test_ddp_gradient_wait_is_last_bucket_ready_to_done(rx):
     r = steps(rx, 1)[0]
     assert 0.03 <= r.wait_seconds < 0.045
     assert 0.02 <= phase(r, "backward") < 0.035
-    assert r.collective_sequence == 2
+    assert phase(r, "sync") >= r.wait_seconds + 0.05
+    assert r.collective_sequence == 3
     m.shutdown()
 
 
@@ -685,6 +688,29 @@ def test_cuda_events_are_resolved_lazily_without_synchronize(rx):
     assert [r.step_seconds for r in rx.of(StepRecord)[3:]] == [pytest.approx(0.001)] * 20
     pool = m.clock._pool
     assert len({id(ev) for ev in pool}) == len(pool)
+
+
+def test_cuda_gradient_wait_is_the_last_bucket_not_every_collective(rx):
+    """On the device as on the host: the step's wait is DDP's gradient wait where there is one;
+    the step's other blocking collectives are sync time too, but not the wait."""
+    dev = FakeStream()
+    m = make_monitor(rx, clock=CudaEventClock(lambda: FakeEvent(dev)))
+    with m.phase("forward"):
+        dev.launch(10)
+        m.timed_collective(dev.launch, (4,), {}, async_index=1)  # an all-gather of 4 ms
+    with m.phase("backward"):
+        dev.launch(5)
+        m.bucket_ready()
+        dev.launch(7)
+        m.bucket_done()
+    m.step(8)
+    dev.run()
+    m.shutdown()
+    (r,) = steps(rx, 1)
+    assert phase(r, "forward") == pytest.approx(0.010) and phase(r, "backward") == pytest.approx(0.005)
+    assert phase(r, "sync") == pytest.approx(0.011)
+    assert r.wait_seconds == pytest.approx(0.007)
+    assert r.step_seconds == pytest.approx(0.026)
 
 
 def test_cuda_events_of_a_first_phase_that_ends_after_the_first_step(rx):
