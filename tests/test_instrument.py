@@ -760,6 +760,7 @@ def test_cuda_steps_waiting_on_a_stuck_device_are_bounded(rx):
         m.step(1)
     m.flush()
     assert len(m._pending) == 64
+    assert m.sender.dropped == 100 - 64  # the oldest steps went, counted as dropped records
     m.shutdown(timeout=0.05)
 
 
