@@ -127,6 +127,11 @@ def test_node_and_rank_variables_filter(run):
     assert {s["metric"]["rank"] for s in only_rank} == {"0", str(run.straggler_rank)}
 
 
+def _sim(run, train_job: str):
+    """The simulator thread running ``train_job`` in the sandbox."""
+    return run.box.sims[[job.train_job for job in run.box.jobs].index(train_job)]
+
+
 def test_hardware_dashboard_points_at_the_hot_node(run):
     uid, node = "syncwatch-hardware", run.straggler_node
     late = run.panel(uid, "Lateness of the ranks per node")
@@ -145,7 +150,7 @@ def test_job_overview_reads_as_a_persistent_straggler(run):
     (conc,) = run.panel(uid, "Straggler concentration")
     assert _mean(conc) > 0.7
     (coupling,) = run.panel(uid, "Coupling score")
-    truth = run.box.sims[0].truth  # the whole run's: the panel's windows follow it within ~5 %
+    truth = _sim(run, STRAGGLER).truth  # the whole run's: the panel's windows follow it within ~5 %
     assert _mean(coupling) == pytest.approx(
         sum(truth.slack_seconds) / sum(r.step_seconds for r in truth.reported), rel=0.15)
     ideal = run.panel(uid, "Throughput against ideal linear scaling", "B")
@@ -162,7 +167,10 @@ def test_restart_panels_count_the_restarts(run):
     (rerun,) = run.panel(uid, "Restarts and re-run steps", "B", train_job=RESTARTS)
     n = _value(restarts)  # the simulator restarts twice; both panels read the same scrape
     assert n in (1, 2)
-    assert _value(rerun) == sum(r.rerun_steps for r in run.box.sims[1].truth.restarts[:int(n)])
+    truth = sum(r.rerun_steps for r in _sim(run, RESTARTS).truth.restarts[:int(n)])
+    # the daemons' count (30, or 40 after both), or where an old attempt still shows, the rules'
+    # estimate from the steps, a scrape interval's steps above it at most (docs/rules.md)
+    assert truth <= _value(rerun) <= 1.1 * truth
     ratio = run.panel("syncwatch-efficiency", "Re-run ratio", "A", train_job=RESTARTS)
     assert 0 < _mean(ratio[0]) < 1
     none = run.panel(uid, "Restarts and re-run steps", "A", train_job=STRAGGLER)

@@ -179,11 +179,13 @@ def recording_rules(c: Ctx) -> list[dict]:
         # count too, whichever daemons reported them: the larger of the two. Attempts, not how
         # far the number rose: under Slurm with torchrun inside, a requeue raises it by more than
         # one (instrument/identity.py). The attempts seen at each evaluation of the window
-        # (a daemon reports an attempt of rank 0 for at least --rank-ttl)
+        # (a daemon reports an attempt of rank 0 for at least --rank-ttl). The daemons' counts
+        # are rounded here and below: increase() extrapolates to the window's edges (a young
+        # series' 2 restarts read 2.04)
         {"record": "train_job:syncwatch_restarts:increase1h",
          "expr": "max by (train_job) (\n"
                  "  label_replace(\n"
-                 f"    sum by (train_job) (increase(syncwatch_job_restarts_total[{h}])),\n"
+                 f"    round(sum by (train_job) (increase(syncwatch_job_restarts_total[{h}]))),\n"
                  '    "counted", "restarts", "", "")\n'
                  "  or\n"
                  "  label_replace(\n"
@@ -203,7 +205,7 @@ def recording_rules(c: Ctx) -> list[dict]:
         {"record": "train_job:syncwatch_rerun_steps:increase1h",
          "expr": "max by (train_job) (\n"
                  "  label_replace(\n"
-                 f"    sum by (train_job) (increase(syncwatch_job_rerun_steps_total[{h}])),\n"
+                 f"    round(sum by (train_job) (increase(syncwatch_job_rerun_steps_total[{h}]))),\n"
                  '    "counted", "daemons", "", "")\n'
                  "  or\n"
                  "  label_replace(\n"
