@@ -1176,6 +1176,40 @@ def test_removed_handle_detaches_the_gradient_hooks(rx, ddp_world1):
         m.shutdown()
 
 
+def test_a_watched_model_outliving_its_monitor_does_not_keep_it(rx, ddp_world1):
+    """The hook's first callback (a relay bound to the monitor) is the monitor's to keep: a model
+    kept after ``shutdown()`` (evaluated, saved) must not hold the shut-down monitor, its
+    queues and sender, for as long as it lives; a new monitor measures the same hooks."""
+    import gc
+    import weakref
+
+    from syncwatch.instrument import _state
+    from syncwatch.instrument.hooks import BUCKET_COUNT_READS, watch_gradients
+    torch = ddp_world1
+    ddp, x = make_ddp(torch), torch.randn(4, 8)
+    watch_gradients(ddp)
+    m = make_monitor(rx)
+    _state.set_monitor(m)
+    for _ in range(BUCKET_COUNT_READS + 2):  # past the bucket-count reads: the relay's steps
+        train_step(m, ddp, torch, x)
+    assert len(m.relays) == 1
+    _state.set_monitor(None)
+    m.shutdown()
+    gone = weakref.ref(m)
+    del m
+    gc.collect()
+    assert gone() is None
+    m2 = make_monitor(rx)
+    _state.set_monitor(m2)
+    try:
+        train_step(m2, ddp, torch, x)
+        last = steps(rx, BUCKET_COUNT_READS + 3)[-1]
+        assert last.totals.steps == 1 and last.wait_seconds > 0  # the new monitor's first step
+    finally:
+        _state.set_monitor(None)
+        m2.shutdown()
+
+
 def test_register_takes_an_fsdp_model_as_its_wrapped_collectives(rx, ddp_world1, caplog):
     torch = ddp_world1
     import syncwatch.instrument as sw

@@ -108,7 +108,9 @@ def watch_gradients(model) -> Handle:
     # DDP's bucket count and the times it was read: kept on the model, so that watching it
     # again (after a handle's remove()) does not read DDP's logging data again (~90 us a read)
     buckets = model.__dict__.setdefault("_syncwatch_buckets", [1, 0])
-    relay = [None, None]  # (monitor, its relay): the first callback once the count is read
+    # this watch's key in the monitor's relays (the first callback once the count is read): the
+    # monitor keeps them, so that a model outliving a shut-down monitor does not keep it alive
+    token = object()
 
     def gradients_ready():
         """The first callback while DDP's bucket count is still read."""
@@ -135,10 +137,11 @@ def watch_gradients(model) -> Handle:
             if buckets[1] < BUCKET_COUNT_READS:
                 queue(gradients_ready)
                 return
-            if relay[0] is not m:
-                relay[:] = m, m._notes.relay(READY, buckets[0],
-                                             functools.partial(queue, m.bucket_done))
-            queue(relay[1])
+            relay = m.relays.get(token)
+            if relay is None:
+                relay = m.relays[token] = m._notes.relay(
+                    READY, buckets[0], functools.partial(queue, m.bucket_done))
+            queue(relay)
         except Exception:
             m._error()
 
@@ -147,6 +150,7 @@ def watch_gradients(model) -> Handle:
         handle.add(p.register_post_accumulate_grad_hook(gradient_accumulated).remove)
     model._syncwatch_watched = True
     handle.add(lambda: setattr(model, "_syncwatch_watched", False))
+    handle.add(lambda: _state.monitor is not None and _state.monitor.relays.pop(token, None))
     return handle
 
 

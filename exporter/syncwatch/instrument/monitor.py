@@ -103,6 +103,8 @@ class Monitor:
         self.bucket_done = self._notes.mark(DONE)
         """The bucket's collective finished (wrapper path, communication thread), or all of them
         (hook-free path: the final callback queued after DDP's finalize). Arguments ignored."""
+        self.relays: dict = {}
+        """The hook-free gradient wait's first callbacks, one per watched model (``hooks``)."""
         # the replay's state: only the records thread (or flush()) touches it, under _lock
         self._lock = threading.Lock()
         self._stack: list = []   # open phases: (index, start mark, sync index, host ns)
