@@ -22,9 +22,9 @@ from daemon_helpers import (WALL0, Client, RankSim, healthz, identity, rss_of, s
                             series_of, value, wait_for, wait_records)
 
 from syncwatch.daemon import DaemonConfig, DaemonThread
-from syncwatch.daemon.state import STEP_BUCKETS
-from syncwatch.protocol import (IDENT_FIXED, PHASES, REJECT_REASONS, SKEW_BUCKETS, Encoder,
-                                SkewHistogram)
+from syncwatch.daemon.state import STEP_BUCKETS, SUPERSEDE_SECONDS, State
+from syncwatch.protocol import (IDENT_FIXED, PHASES, REJECT_REASONS, SKEW_BUCKETS, Decoder,
+                                Encoder, SkewHistogram)
 from syncwatch.sender import Sender
 
 
@@ -422,6 +422,37 @@ def test_restarts_and_rerun_steps(daemon, client):
     assert value(m, "syncwatch_job_rerun_steps_total", train_job="job-a") == 13
     assert value(m, "syncwatch_job_attempt", train_job="job-a") == 1
     assert value(m, "syncwatch_last_step", train_job="job-a", rank=0) == 61
+
+
+def test_a_new_process_with_a_lower_attempt_takes_over_once_the_old_one_is_gone():
+    """Two resumes in one process (attempts 1, 2), then a launcher restart numbered 1: the new
+    process's lower attempt is stale only while the old one could still be sending, not until
+    the old one's state expires (``--rank-ttl``, a minute of the new process's records lost)."""
+    now = [1000.0]
+    state = State(DaemonConfig(socket=None), clock=lambda: now[0])
+    decoder = Decoder()
+
+    def send(*data):
+        for d in data:
+            state.apply(decoder.decode(d))
+            now[0] += 0.1
+
+    def rank(r, ranks=None):
+        ranks = ranks or state.snapshot().jobs[0].ranks
+        return next(v for v in ranks if v.ident.rank == r)
+
+    old = [RankSim(identity(r, world=2, attempt=2, pid=100 + r)) for r in range(2)]
+    send(*(o.step(s, 0.1) for s in range(1, 31) for o in old))
+    new = [RankSim(identity(r, world=2, attempt=1, pid=200 + r)) for r in range(2)]
+    send(old[1].enc.end(WALL0 + 31, 30))           # rank 1's old process ended: gone for sure
+    send(new[0].step(21, 0.1), new[1].step(21, 0.1))
+    assert rank(0).ident.pid == 100 and rank(1).ident.pid == 201  # rank 0's old one may be live
+    now[0] += SUPERSEDE_SECONDS                     # rank 0's old process fell silent
+    send(new[0].step(22, 0.1))
+    job = state.snapshot().jobs[0]
+    assert rank(0, job.ranks).ident.pid == 200 and rank(0, job.ranks).last_step == 22
+    assert rank(1, job.ranks).ident.pid == 201 and rank(1, job.ranks).last_step == 21
+    assert job.attempt == 1 and job.restarts == 1 and job.rerun_steps == 9  # 22..30 again
 
 
 def test_job_series_come_only_from_the_daemon_that_hears_rank0(sock_path):

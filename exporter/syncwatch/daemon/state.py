@@ -37,6 +37,11 @@ WAIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
                 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 _CHECKPOINT = PHASE_INDEX["checkpoint"]
+# A record of a lower attempt than a rank's current process, from another process, is a late one
+# of an older attempt (stale) while that current process lives. Once it has sent its end record,
+# or been silent this long (three of the ranks' default 5 s heartbeats), it is a new process
+# whose attempt is lower: two resumes in one process (attempts 1, 2), then a launcher restart (1).
+SUPERSEDE_SECONDS = 15.0
 
 
 class Histogram:
@@ -260,7 +265,8 @@ class State:
             if self.n_ranks >= self.config.max_ranks:
                 raise ProtocolError("rank_limit", f"already {self.n_ranks} ranks")
             self.n_ranks += 1
-        elif ident.attempt < r.ident.attempt:
+        elif ident.attempt < r.ident.attempt and (
+                ident.pid == r.ident.pid or not (r.ended or now - r.seen > SUPERSEDE_SECONDS)):
             return None, job
         elif ident.pid == r.ident.pid and ident.attempt == r.ident.attempt:
             _move_node(job, r.ident.node, ident.node)
