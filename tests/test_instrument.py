@@ -752,6 +752,52 @@ def test_the_records_thread_binds_the_ranks_device_before_reading_events(rx):
     m.shutdown()
 
 
+def test_cuda_tensor_amounts_are_read_once_computed_on_a_stream_of_their_own(rx):
+    """``step(tokens=mask.sum())`` on a GPU: the tensor is read once its step's events have
+    passed, on a side stream. Read on the current stream (as ``float()`` does), the copy waits
+    behind all the work queued since: a collective hung on the device held the records thread,
+    and with it the heartbeats of a rank that is alive."""
+    import contextlib
+    dev = FakeStream()
+    current = ["default"]
+
+    @contextlib.contextmanager
+    def side_stream():
+        current[0] = "side"
+        try:
+            yield
+        finally:
+            current[0] = "default"
+
+    class FakeCudaTensor:
+        """A one-element CUDA tensor computed by the work enqueued so far."""
+        is_cuda = True
+
+        def __init__(self, value):
+            self.value, self.t = value, dev.enqueued
+
+        def __float__(self):
+            assert current[0] == "side", "copied on the current stream: waits for the hung work"
+            assert dev.done >= self.t, "read before the device computed it"
+            return float(self.value)
+
+    m = make_monitor(rx, clock=CudaEventClock(lambda: FakeEvent(dev), side_stream=side_stream))
+    for n in (8, 16):
+        with m.phase("forward"):
+            dev.launch(10)
+        m.step(FakeCudaTensor(n), tokens=FakeCudaTensor(100 * n))
+    dev.launch(1000)          # the next step's collective, hung on the device: never done
+    m.flush()
+    assert rx.of(StepRecord) == []
+    dev.done = 20.0           # the device got through the two steps
+    m.flush()
+    r1, r2 = steps(rx, 2)
+    assert (r1.totals.samples, r1.totals.tokens) == (8, 800)
+    assert (r2.totals.samples, r2.totals.tokens) == (24, 2400)
+    assert m.errors == 0 and current[0] == "default"
+    m.shutdown(timeout=0.05)
+
+
 def test_cuda_steps_waiting_on_a_stuck_device_are_bounded(rx):
     dev = FakeStream()
     m = make_monitor(rx, clock=CudaEventClock(lambda: FakeEvent(dev)))
@@ -795,6 +841,32 @@ def test_cuda_phases_are_timed_on_the_device_through_the_records_thread(rx):
     assert all(phase(r, "forward") > 0.002 for r in recs)  # device time, not launch time
     assert m.errors == 0
     m.shutdown()
+
+
+@pytest.mark.gpu
+def test_a_cuda_tensor_amount_is_sent_while_later_device_work_runs(rx):
+    """The step's record, whose tokens are a CUDA tensor, goes out while the device is still busy
+    with work queued after it (standing in for a hung collective): the records thread reads the
+    tensor on a stream of its own, not behind that work."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gpu = torch.cuda.device_count() - 1
+    torch.cuda.set_device(gpu)
+    m = make_monitor(rx, clock=CudaEventClock(device=gpu))
+    with m.phase("forward"):
+        tokens = torch.ones(100, device=f"cuda:{gpu}").sum()
+    m.step(4, tokens=tokens)
+    torch.cuda._sleep(4_000_000_000)  # seconds of later work on the current stream
+    later = torch.cuda.Event()
+    later.record()
+    try:
+        (r,) = steps(rx, 1)
+        assert r.totals.tokens == 100 and m.errors == 0
+        assert not later.query()  # sent before the later work was done
+    finally:
+        torch.cuda.synchronize()
+        m.shutdown()
 
 
 # --------------------------------------------------------------------------- identity, API, CLI

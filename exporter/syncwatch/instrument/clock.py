@@ -26,6 +26,8 @@ class HostClock:
     def enter_thread(self) -> None:
         """Called first by a thread that reads marks it did not take (the records thread)."""
 
+    amount = staticmethod(float)  # a step's samples or tokens as a number (see CudaEventClock)
+
     @staticmethod
     def ready(mark) -> bool:
         return True
@@ -43,7 +45,8 @@ class CudaEventClock:
 
     lazy = True
 
-    def __init__(self, event_factory=None, pool_size: int = 512, device: int | None = None):
+    def __init__(self, event_factory=None, pool_size: int = 512, device: int | None = None,
+                 side_stream=None):
         if event_factory is None:
             import torch
 
@@ -53,6 +56,8 @@ class CudaEventClock:
         self._pool: list = []
         self._pool_size = pool_size
         self._device = device
+        self._side_stream = side_stream or self._own_stream
+        self._stream = None
 
     def enter_thread(self) -> None:
         """Make the rank's GPU the calling thread's current device, as torch's pin-memory thread
@@ -69,6 +74,25 @@ class CudaEventClock:
             ev = self._factory()
         ev.record()  # on the current stream of the calling thread
         return ev
+
+    def amount(self, value) -> float:
+        """A step's samples or tokens as a number, read by the records thread once the step's
+        events have passed. A CUDA tensor (``tokens=mask.sum()``) is copied on a stream of the
+        records thread's own: the step is done, so its value is computed, where a copy on the
+        current stream waits behind all the work queued since, a collective hung on the device
+        included, and that would stop the heartbeats of a rank that is alive."""
+        if getattr(value, "is_cuda", False):
+            with self._side_stream():
+                return float(value)
+        return float(value)
+
+    def _own_stream(self):
+        """``torch.cuda.stream`` of a stream from torch's pool, which does not wait for the
+        default stream's work."""
+        import torch
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self._device)
+        return torch.cuda.stream(self._stream)
 
     @staticmethod
     def ready(mark) -> bool:

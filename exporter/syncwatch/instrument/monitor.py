@@ -317,9 +317,7 @@ class Monitor:
         if tokens is not None:
             self._has_tokens = True
         rec = (number, wall, self._step_start, end, self._spans, self._sync, self._grad,
-               self._amount("samples", samples),
-               0.0 if tokens is None else self._amount("tokens", tokens),
-               self.collective_sequence, self.encoder)
+               samples, tokens, self.collective_sequence, self.encoder)
         self._spans, self._sync, self._grad = [], [], None
         self._step_start = end
         self.last_step, self.last_step_wall = number, wall
@@ -390,6 +388,8 @@ class Monitor:
     def _emit(self, rec) -> None:
         number, wall, s0, s1, spans, sync, grad, samples, tokens, seq, encoder = rec
         step_s, phases, wait = self._durations(s0, s1, spans, sync, grad)
+        samples = self._amount("samples", samples)  # here: a CUDA tensor's step is done
+        tokens = 0.0 if tokens is None else self._amount("tokens", tokens)
         t = self.totals
         t.steps += 1
         t.step_seconds += step_s
@@ -452,11 +452,11 @@ class Monitor:
             self._skew_snapshot = self._skew.snapshot()
 
     def _amount(self, name: str, value) -> float:
-        """``step()``'s samples or tokens as a float (an int, a float, a one-element tensor).
-        Anything else — not a number, not finite, negative, beyond ``MAX_PER_STEP`` — is
-        refused: the step still counts, with 0 of it."""
+        """``step()``'s samples or tokens as a float (an int, a float, a one-element tensor:
+        ``clock.amount``). Anything else — not a number, not finite, negative, beyond
+        ``MAX_PER_STEP`` — is refused: the step still counts, with 0 of it."""
         try:
-            x = float(value)
+            x = self.clock.amount(value)
         except Exception:
             x = -1.0
         if 0.0 <= x <= MAX_PER_STEP:
