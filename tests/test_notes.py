@@ -173,6 +173,26 @@ def test_step_rejects_arguments_it_does_not_take(Notes):
 
 
 @pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
+def test_phase_mark_and_relay_take_their_arguments_by_keyword_too(Notes):
+    n, entries, errors = bound(Notes)
+    with n.phase(start=0, end=8):
+        pass
+    n.mark(code=DONE)()
+    n.relay(code=READY, extra=3, first=list)()
+    n.phase(0, end=8).__enter__()
+    assert list(entries) == [(0, 0), (8, 1), (DONE, 2), (READY, 3, 3), (0, 4)] and errors == []
+    with pytest.raises(TypeError):
+        n.phase(0, 8, 9)
+    with pytest.raises(TypeError):
+        n.phase(0, begin=8)
+    with pytest.raises(TypeError):
+        n.mark()
+    with pytest.raises(TypeError):
+        n.relay(READY, 3)
+    assert len(entries) == 5
+
+
+@pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
 def test_no_reference_is_leaked(Notes):
     code, mark, samples = object(), object(), object()
     n = Notes(code, lambda: 0)

@@ -232,30 +232,39 @@ new_note(PyTypeObject *type, NotesObject *notes, PyObject *code, PyObject *exit_
     return (PyObject *)n;
 }
 
+/* phase(), mark() and relay() take their arguments by position or keyword, as in notes.py; they
+ * build an object once (at a monitor's start), not per call, so they need no fast calling. */
 static PyObject *
-notes_phase(NotesObject *self, PyObject *const *args, Py_ssize_t nargs)
+notes_phase(NotesObject *self, PyObject *args, PyObject *kwds)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "phase(start, end) takes 2 arguments");
+    static char *kwlist[] = {"start", "end", NULL};
+    PyObject *start, *end;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO:phase", kwlist, &start, &end)) {
         return NULL;
     }
-    return new_note(&PhaseType, self, args[0], args[1]);
+    return new_note(&PhaseType, self, start, end);
 }
 
 static PyObject *
-notes_mark(NotesObject *self, PyObject *code)
+notes_mark(NotesObject *self, PyObject *args, PyObject *kwds)
 {
+    static char *kwlist[] = {"code", NULL};
+    PyObject *code;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:mark", kwlist, &code)) {
+        return NULL;
+    }
     return new_note(&MarkType, self, code, NULL);
 }
 
 static PyObject *
-notes_relay(NotesObject *self, PyObject *const *args, Py_ssize_t nargs)
+notes_relay(NotesObject *self, PyObject *args, PyObject *kwds)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "relay(code, extra, first) takes 3 arguments");
+    static char *kwlist[] = {"code", "extra", "first", NULL};
+    PyObject *code, *extra, *first;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO:relay", kwlist, &code, &extra, &first)) {
         return NULL;
     }
-    if (!PyCallable_Check(args[2])) {
+    if (!PyCallable_Check(first)) {
         PyErr_SetString(PyExc_TypeError, "relay: first must be callable");
         return NULL;
     }
@@ -265,9 +274,9 @@ notes_relay(NotesObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_INCREF(self);
     r->notes = self;
-    r->code = Py_NewRef(args[0]);
-    r->extra = Py_NewRef(args[1]);
-    r->first = Py_NewRef(args[2]);
+    r->code = Py_NewRef(code);
+    r->extra = Py_NewRef(extra);
+    r->first = Py_NewRef(first);
     PyObject_GC_Track(r);
     return (PyObject *)r;
 }
@@ -305,11 +314,11 @@ static PyMethodDef notes_methods[] = {
     {"step", (PyCFunction)(void (*)(void))notes_step, METH_FASTCALL | METH_KEYWORDS,
      "step(samples=0, tokens=None, step=None): end a step that processed samples (and tokens);\n"
      "step = the job's own step number (default: the previous one + 1)."},
-    {"phase", (PyCFunction)(void (*)(void))notes_phase, METH_FASTCALL,
+    {"phase", (PyCFunction)(void (*)(void))notes_phase, METH_VARARGS | METH_KEYWORDS,
      "phase(start, end): a context manager noting start on entry and end on exit."},
-    {"mark", (PyCFunction)notes_mark, METH_O,
+    {"mark", (PyCFunction)(void (*)(void))notes_mark, METH_VARARGS | METH_KEYWORDS,
      "mark(code): a callable (any arguments, ignored) noting code."},
-    {"relay", (PyCFunction)(void (*)(void))notes_relay, METH_FASTCALL,
+    {"relay", (PyCFunction)(void (*)(void))notes_relay, METH_VARARGS | METH_KEYWORDS,
      "relay(code, extra, first): a callable (any arguments, ignored) that calls first(), then\n"
      "notes code with extra: (code, mark, extra). If first raises, nothing is noted."},
     {NULL}
