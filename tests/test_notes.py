@@ -193,6 +193,17 @@ def test_phase_mark_and_relay_take_their_arguments_by_keyword_too(Notes):
 
 
 @pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
+def test_a_phase_exit_takes_the_three_arguments_of_a_with_statement(Notes):
+    n, entries, errors = bound(Notes)
+    p = n.phase(0, 8)
+    for args in ((), (None, None), (None, None, None, None)):
+        with pytest.raises(TypeError):
+            p.__exit__(*args)
+    assert not entries and errors == []  # a misused exit notes nothing
+    assert p.__exit__(None, None, None) is False and list(entries) == [(8, 0)]
+
+
+@pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
 def test_no_reference_is_leaked(Notes):
     code, mark, samples = object(), object(), object()
     n = Notes(code, lambda: 0)

@@ -385,6 +385,11 @@ phase_enter(NoteObject *self, PyObject *unused)
 static PyObject *
 phase_exit(NoteObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError,
+                     "__exit__() takes 3 arguments (exc_type, exc, tb) (%zd given)", nargs);
+        return NULL;
+    }
     if (note(self->notes, self->exit_code) < 0) {
         return NULL;
     }
