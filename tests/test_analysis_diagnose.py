@@ -73,6 +73,7 @@ def test_straggler_on_a_throttling_node_is_also_thermal_with_high_confidence():
     thermal = modes["thermal_coupling"]
     assert thermal.confidence >= 0.9 and thermal.subject == {"node": "sim-node-00"}
     assert any("18.0 °C hotter" in e["reading"] for e in thermal.evidence)
+    assert not any("skew exchange off" in n or "GPU telemetry" in n for n in d.notes), d.notes
 
 
 def test_straggler_on_a_throttling_node_without_the_skew_exchange_is_also_thermal():

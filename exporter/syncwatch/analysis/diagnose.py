@@ -500,10 +500,10 @@ def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
     gpu = any(n in v.hardware for n in ("gpu_temperature_celsius", "gpu_thermal_throttle"))
     if exact and not gpu:
         notes.append("no GPU telemetry in range: thermal causes inferred from arrival patterns only")
-    elif gpu:
+    elif gpu and not exact:
         notes.append("no exact last arrivals (skew exchange off): a straggling node that moves between nodes "
                      "not assessed; only a persistent straggler's node is checked against GPU telemetry")
-    else:
+    elif not exact:
         notes.append("no GPU telemetry in range and no exact last arrivals (skew exchange off): thermal "
                      "coupling not assessed")
     if not any(n in v.hardware for n in CONGESTION_SERIES):
