@@ -61,3 +61,18 @@ def test_help_prints_a_default_only_where_there_is_one():
     run = " ".join(sub.choices["run"].format_help().split())
     assert "(default /run/syncwatch/ingest.sock) [env SYNCWATCH_SOCKET]" in run
     assert "(default 5) [env SYNCWATCH_HEARTBEAT]" in run
+
+
+def test_a_bad_environment_twin_stops_only_the_command_whose_flag_reads_it(monkeypatch, capsys):
+    """``SYNCWATCH_NODES`` is ``project``'s comma-separated list and ``jct``'s count: set for
+    ``project``, it stopped every command with ``syncwatch jct: error``, ``--help`` included; a
+    collector flag's bad twin raised AttributeError in every command."""
+    monkeypatch.setenv("SYNCWATCH_NODES", "16,32")
+    monkeypatch.setenv("SYNCWATCH_COLLECTOR_INTERVAL", "soon")
+    assert build_parser().parse_args(["project", "--input", "run.json"]).nodes == "16,32"
+    assert build_parser().parse_args(["jct", "--nodes", "4"]).nodes == 4  # the flag wins over its twin
+    for argv, message in ((["jct"], "syncwatch jct: error: SYNCWATCH_NODES='16,32': "),
+                          (["daemon"], "syncwatch daemon: error: SYNCWATCH_COLLECTOR_INTERVAL='soon': ")):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err

@@ -26,6 +26,29 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+class EnvError:
+    """The default of a flag whose environment twin does not convert: ``--help`` shows the raw value."""
+
+    def __init__(self, raw: str, message: str):
+        self.raw, self.message = raw, message
+
+    def __str__(self) -> str:
+        return self.raw
+
+
+class Parser(argparse.ArgumentParser):
+    """Reports an ``EnvError`` only when its flag's command runs without the flag: a twin that two
+    commands read differently (``SYNCWATCH_NODES``: ``project``'s list, ``jct``'s count) must not
+    stop the other command, nor ``--help``."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        for value in vars(parsed).values():
+            if isinstance(value, EnvError):
+                self.error(value.message)
+        return parsed, rest
+
+
 def env_name(flag: str) -> str:
     """``--path.sysfs`` -> ``SYNCWATCH_PATH_SYSFS``."""
     return "SYNCWATCH_" + flag.lstrip("-").replace("-", "_").replace(".", "_").upper()
@@ -35,7 +58,7 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kw) -> 
     """Add ``flag`` whose default can come from its environment twin (see ``env_name``).
 
     The help text names the twin and the default (where there is one), so ``--help`` documents
-    both.
+    both. A twin that does not convert is reported by ``Parser`` once the flag's command runs.
     """
     env = kw.pop("env", None) or env_name(flag)
     action = kw.get("action")
@@ -44,15 +67,14 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kw) -> 
         raw = os.environ[env]
         if boolean:
             low = raw.strip().lower()
-            if low not in _TRUE | _FALSE:
-                parser.error(f"{env}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
-            kw["default"] = low in _TRUE
+            kw["default"] = (low in _TRUE if low in _TRUE | _FALSE else
+                             EnvError(raw, f"{env}={raw!r}: expected one of 1/0, true/false, yes/no, on/off"))
         else:
             conv = kw.get("type", str)
             try:
                 kw["default"] = conv(raw)
             except (TypeError, ValueError) as e:
-                parser.error(f"{env}={raw!r}: {e}")
+                kw["default"] = EnvError(raw, f"{env}={raw!r}: {e}")
     # no default (None, "") is not printed: the help text says what happens without the flag
     shown = not boolean and kw.get("default") not in (None, "")
     suffix = f"[env {env}" + ("; default: %(default)s]" if shown else "]")
@@ -60,7 +82,7 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kw) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="syncwatch",
         description="Make synchronization coupling in distributed training visible and alertable.")
     from . import __version__

@@ -21,7 +21,7 @@ import argparse
 import os
 import sys
 
-from ..cli import add_flag
+from ..cli import Parser, add_flag
 from ..sender import DEFAULT_SOCKET
 from ..skew import EXCHANGE_SECONDS
 from . import DEFAULT_EXCHANGE_EVERY, DEFAULT_HEARTBEAT_SECONDS
@@ -86,8 +86,8 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="syncwatch-run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="syncwatch-run", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
