@@ -114,8 +114,21 @@ def test_a_port_held_by_something_not_http_is_reported_without_a_traceback():
         server.close()
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.startswith("syncwatch stack up: prometheus did not start (it exited with code")
+    assert r.stderr.startswith("syncwatch stack up: prometheus did not start: ")
     assert "address already in use" in r.stderr
+
+
+def test_a_port_held_by_another_prometheus_is_reported_before_anything_is_said_to_run(exporter):
+    """--prometheus-port taken by a server that answers the readiness probe (a Prometheus the
+    Debian package runs on 9090): that server was taken for ours, whose URL was printed as running
+    before ours exited with the bind error in its log."""
+    port = exporter.rsplit(":", 1)[1]
+    r = subprocess.run([sys.executable, "-m", "syncwatch", "stack", "up", "--no-alertmanager",
+                        "--prometheus-port", port, "--targets", "127.0.0.1:1"],
+                       capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=60)
+    assert r.returncode == 1 and r.stdout == "", r.stdout
+    assert r.stderr == (f"syncwatch stack up: prometheus did not start: 127.0.0.1:{port}: address already in "
+                        f"use (another port, or 0 for a free one)\n")
 
 
 def test_an_interrupted_start_stops_the_server(monkeypatch):

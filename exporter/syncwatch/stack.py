@@ -114,6 +114,14 @@ class _Server:
     def start(self, timeout: float = 30.0, port: int = 0) -> "_Server":
         """Start and wait until ready. ``port=0`` picks a free one (retried on a lost race)."""
         self._write_config()
+        if port:  # a server already there would answer the readiness probe in this one's place
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError as e:
+                    raise StackError(f"{self.name} did not start: 127.0.0.1:{port}: {e.strerror.lower()} "
+                                     f"(another port, or 0 for a free one)") from None
         for attempt in range(3):
             self.port = port or free_port()
             with open(self.log_path, "ab") as log:
