@@ -103,6 +103,16 @@ def test_http_error_from_something_else_shows_the_start_of_its_body(canned):
     assert len(err.value.detail) == 200 and "?" not in str(err.value)
 
 
+def test_http_error_page_over_many_lines_is_shown_on_one(canned):
+    """``--prometheus`` pointing at another web server: its HTML error page came out line by line
+    after ``syncwatch diagnose: error:``, not the one line the docs promise."""
+    srv, client = canned
+    srv.answer = (501, "text/html", b"<!DOCTYPE HTML>\n<html lang=\"en\">\n    <head>\n        <title>Error response</title>")
+    with pytest.raises(promapi.HTTPStatusError) as err:
+        client.api("query", query="up")
+    assert err.value.detail == '<!DOCTYPE HTML> <html lang="en"> <head> <title>Error response</title>'
+
+
 @pytest.mark.parametrize("answer", [(200, "text/html", b"<html>Grafana</html>"),
                                     (200, "application/json", b"[1, 2]"),
                                     (200, "application/json", b'{"data": {}}')])

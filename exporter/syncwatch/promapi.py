@@ -139,7 +139,8 @@ def _error_text(answer: dict) -> str:
 
 
 def _http_error_detail(e: urllib.error.HTTPError) -> str:
-    """Prometheus' own error text (``errorType: error``), else the start of whatever the body was."""
+    """Prometheus' own error text (``errorType: error``), else the start of whatever the body was,
+    on one line (an HTML error page runs over many)."""
     try:
         raw = e.read()
     except (OSError, http.client.HTTPException):
@@ -147,5 +148,5 @@ def _http_error_detail(e: urllib.error.HTTPError) -> str:
     try:
         answer = json.loads(raw)
     except ValueError:
-        return raw.decode(errors="replace").strip()[:200]
+        return " ".join(raw.decode(errors="replace").split())[:200]
     return _error_text(answer) if isinstance(answer, dict) else str(answer)[:200]
