@@ -213,7 +213,7 @@ def test_stack_up_stopped_while_it_starts_leaves_no_server_running(tmp_path, sig
     data = tmp_path / "stack-data"
     proc = subprocess.Popen(
         [sys.executable, "-m", "syncwatch", "stack", "up", "--targets", "127.0.0.1:1",
-         "--data-dir", str(data)],
+         "--prometheus-port", "0", "--alertmanager-port", "0", "--data-dir", str(data)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT)
     try:
         wait_until(lambda: (data / "alertmanager" / "alertmanager.log").exists(), 30,
