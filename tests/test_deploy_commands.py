@@ -76,3 +76,13 @@ def test_a_bad_environment_twin_stops_only_the_command_whose_flag_reads_it(monke
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_daemons_window_and_the_analysis_window_have_twins_of_their_own(monkeypatch):
+    """The daemon's ``--window`` counts steps, the analysis commands' seconds: one shared
+    ``SYNCWATCH_WINDOW``, exported for ``diagnose``, gave a daemon started later a 300-step window."""
+    monkeypatch.setenv("SYNCWATCH_WINDOW", "300")
+    monkeypatch.setenv("SYNCWATCH_ANALYSIS_WINDOW", "60")
+    assert build_parser().parse_args(["daemon"]).window == 300
+    for command in ("diagnose", "project", "report"):
+        assert build_parser().parse_args([command]).window == 60.0

@@ -27,7 +27,9 @@ def add_source_flags(p) -> None:
     cli.add_flag(p, "--job", default=None, help="train job (label train_job) to analyse")
     cli.add_flag(p, "--start", default="now-1h", help="range start: now, now-2h, unix seconds or RFC 3339")
     cli.add_flag(p, "--end", default="now", help="range end: now, now-5m, unix seconds or RFC 3339")
-    cli.add_flag(p, "--window", type=float, default=15.0,
+    # not SYNCWATCH_WINDOW: that is the daemon's window in steps, and one exported for either
+    # command would silently change the other
+    cli.add_flag(p, "--window", type=float, default=15.0, env="SYNCWATCH_ANALYSIS_WINDOW",
                  help="shortest analysis window, seconds (at least 2 scrape intervals)")
     cli.add_flag(p, "--input", default=None,
                  help="a recorded run (syncwatch-run/1 JSON) instead of Prometheus")
