@@ -17,7 +17,10 @@ A synchronous step ends when the slowest rank arrives, plus the collective:
   ``ceil(log2 n') / ceil(log2 n)``; ``none`` keeps it as measured (the simulator's assumption).
 * congestion episodes — steps whose collective exceeds 1.5x the baseline: their probability
   ``q`` grows as ``(n'/n)^gamma`` (gamma = 2: pairwise flow collisions on an oversubscribed
-  fabric), their inflation ``f`` stays.
+  fabric), their inflation ``f`` stays. Where ``q`` reaches 1 every step is an episode: the
+  steps are uniformly slower, and the variance episodes add, ``q(1-q)``, falls to 0, so the
+  projected step CV drops there. A fabric that congested is not uniformly slow; the projection
+  says so (``congestion_saturated``) and its CV from there on is a floor.
 
 Then ``E[T'] = E[M'] + c' (1 + q'(f-1))``, ``Var T' = Var M' + c'^2 (f-1)^2 q'(1-q')``, step CV
 = sd/mean, coupling = ``(E[M'] - mu) / E[T']`` (mean slack over step time), throughput
@@ -181,6 +184,7 @@ def project_at(m: Measurement, nodes: int, o: Options) -> dict:
     return {"nodes": nodes, "ranks": ranks, "mean_step_seconds": mean, "step_cv": sd / mean,
             "coupling": (em - mu) / mean, "sync_tax": (em - mu + c * (1 + q * (f - 1))) / mean,
             "collective_seconds": c, "congestion_probability": q,
+            "congestion_saturated": q >= 1.0 and f > 1.0,
             "throughput": batch / mean,
             "throughput_unit": "samples/s" if m.samples_per_rank_step else "rank-steps/s"}
 
@@ -273,6 +277,10 @@ def summary(res: dict) -> str:
                      f"{pct(p['scaling_efficiency']):>10}")
     w = res["sync_wall"]
     lines.append(f"  (throughput in {unit})")
+    saturated = [p["nodes"] for p in res["projections"] if p["congestion_saturated"]]
+    if saturated:
+        lines.append(f"  congestion episodes in every step from {min(saturated)} nodes: the model's "
+                     "variance from them vanishes there, so that step CV and those beyond are floors")
     if w["reached"]:
         lines.append(f"  sync wall: {w['nodes']} nodes — beyond it adding nodes no longer shortens the job "
                      f"(peak throughput {w['throughput']:.1f} {unit})")
