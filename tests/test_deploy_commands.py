@@ -55,6 +55,7 @@ def test_help_prints_a_default_only_where_there_is_one():
     for name, parser in sub.choices.items():
         text = " ".join(parser.format_help().split())  # unwrapped
         assert "default: None" not in text and "default: ]" not in text, (name, text)
+        assert "``" not in text, (name, text)  # a module docstring's markup, shown raw
     daemon = " ".join(sub.choices["daemon"].format_help().split())
     assert "[env SYNCWATCH_LISTEN; default: 127.0.0.1:9477]" in daemon
     assert "(empty: off) [env SYNCWATCH_UDP]" in daemon

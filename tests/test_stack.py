@@ -159,14 +159,18 @@ def test_an_interrupted_start_stops_the_server(monkeypatch):
     ("--time-scale", "nan", "--time-scale must be a positive number, got nan"),
     ("--scrape-interval", "5", "--scrape-interval '5' is not a Prometheus duration"),
     ("--scrape-interval", "1.5s", "--scrape-interval '1.5s' is not a Prometheus duration"),
+    ("--targets", "nope", "--targets 'nope': expected daemon host:port pairs"),
+    ("--targets", "127.0.0.1:9477,:9478", "--targets '127.0.0.1:9477,:9478': expected daemon host:port pairs"),
+    ("--targets", ",", "--targets ',': expected daemon host:port pairs"),
 ])
 def test_stack_up_rejects_bad_flags_in_one_line(flag, value, says):
     r = subprocess.run([sys.executable, "-m", "syncwatch", "stack", "up", "--prometheus-port", "0",
                         "--alertmanager-port", "0", flag, value],
                        capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=60)
     assert r.returncode == 2, r.stderr
-    assert r.stderr.strip() == f"syncwatch stack up: {says}" + (
-        " (e.g. 5s, 1m, 1m30s)" if flag == "--scrape-interval" else ""), r.stderr
+    assert r.stderr.strip() == f"syncwatch stack up: {says}" + {
+        "--scrape-interval": " (e.g. 5s, 1m, 1m30s)",
+        "--targets": ", comma separated (e.g. 127.0.0.1:9477,node2:9477)"}.get(flag, ""), r.stderr
 
 
 @pytest.mark.skipif(shutil.which("prometheus-alertmanager") is None and shutil.which("alertmanager") is None,

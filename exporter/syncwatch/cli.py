@@ -49,6 +49,11 @@ class Parser(argparse.ArgumentParser):
         return parsed, rest
 
 
+def plain(doc: str) -> str:
+    """A module docstring as ``--help`` text: without its reStructuredText double backticks."""
+    return doc.replace("``", "")
+
+
 def env_name(flag: str) -> str:
     """``--path.sysfs`` -> ``SYNCWATCH_PATH_SYSFS``."""
     return "SYNCWATCH_" + flag.lstrip("-").replace("-", "_").replace(".", "_").upper()

@@ -366,6 +366,11 @@ def run_up(args: argparse.Namespace) -> int:
               f"duration (e.g. 5s, 1m, 1m30s)", file=sys.stderr)
         return 2
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    bad = [t for t in targets if not _host_port(t)]
+    if bad or not targets:
+        print(f"syncwatch stack up: --targets {args.targets!r}: expected daemon host:port pairs, "
+              f"comma separated (e.g. 127.0.0.1:9477,node2:9477)", file=sys.stderr)
+        return 2
     work = Path(args.data_dir or tempfile.mkdtemp(prefix="sw-stack-"))
     servers: list[_Server] = []
     previous = _stop_on_signals()
@@ -406,6 +411,13 @@ def run_up(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def _host_port(target: str) -> bool:
+    """Whether ``target`` is ``host:port`` (``[::1]:9477`` too): Prometheus would scrape a bare
+    host on port 80 and show it down, with the stack up around it."""
+    host, sep, port = target.rpartition(":")
+    return bool(sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _stop_on_signals() -> dict:

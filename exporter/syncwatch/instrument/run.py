@@ -21,7 +21,7 @@ import argparse
 import os
 import sys
 
-from ..cli import Parser, add_flag
+from ..cli import Parser, add_flag, plain
 from ..sender import DEFAULT_SOCKET
 from ..skew import EXCHANGE_SECONDS
 from . import DEFAULT_EXCHANGE_EVERY, DEFAULT_HEARTBEAT_SECONDS
@@ -80,13 +80,13 @@ def run(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("run", help="run an unmodified PyTorch command, instrumented",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="syncwatch-run", description=__doc__,
+    parser = Parser(prog="syncwatch-run", description=plain(__doc__),
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))

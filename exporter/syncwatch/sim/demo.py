@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 
-from ..cli import add_flag
+from ..cli import add_flag, plain
 from .driver import GroundTruth, node_name
 from .model import format_sweep, scaling_sweep
 from .scenarios import SCENARIOS, ScenarioThread
@@ -43,7 +43,7 @@ def _flag(parser, flag: str, **kw) -> None:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "demo", help="run a simulated cluster against real daemons (one per simulated node)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     _flag(p, "--scenario", choices=SCENARIOS + ("scaling",), default="straggler",
              help="what to simulate; 'scaling' prints the CV-vs-nodes sweep and exits")
     _flag(p, "--nodes", type=int, default=4, help="simulated nodes (one daemon each)")
@@ -63,7 +63,7 @@ def register(subparsers) -> None:
     _flag(p, "--summary-every", type=float, default=5.0, help="seconds between summary lines")
     _flag(p, "--hardware", action=argparse.BooleanOptionalAction, default=True,
           help="give each simulated node fake GPUs and a RoCE NIC, driven by the simulation, and run "
-               "the daemons' GPU, NIC and InfiniBand collectors over them")
+               "the daemons' GPU, NIC and InfiniBand collectors over them (on unless --no-hardware)")
     p.set_defaults(func=main)
 
 
