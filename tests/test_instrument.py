@@ -810,6 +810,62 @@ def test_cuda_steps_waiting_on_a_stuck_device_are_bounded(rx):
     m.shutdown(timeout=0.05)
 
 
+def test_a_phase_on_a_side_stream_behind_the_step_end_neither_stops_nor_skews_the_records(rx):
+    main, side = FakeStream(), FakeStream()
+    current = [side]  # the stream the events are recorded on: torch.cuda.stream(side) in a phase
+    m = make_monitor(rx, clock=CudaEventClock(lambda: FakeEvent(current[0])), flush_seconds=0.01)
+    with m.phase("data"):     # a prefetch: the next batch's copy on a side stream
+        side.launch(50)
+    current[0] = main
+    with m.phase("forward"):
+        main.launch(10)
+    m.step(8)
+    main.run()                # the step's end is passed, the side stream's copy is not
+    time.sleep(0.1)           # the records thread read the step's end... and its phases
+    side.run()
+    for _ in range(2):
+        with m.phase("forward"):
+            main.launch(1)
+        m.step(8)
+    main.run()
+    recs = steps(rx, 3)
+    assert m._thread.is_alive() and m.errors == 0
+    assert [r.step for r in recs] == [1, 2, 3] and phase(recs[0], "data") == pytest.approx(0.05)
+    m.shutdown(timeout=0.05)
+
+
+def test_a_step_whose_events_cannot_be_read_is_dropped_and_counted(rx, caplog):
+    dev = FakeStream()
+    created, broken = [], []
+
+    class Event(FakeEvent):  # a CUDA error: elapsed_time raises whatever the events' state
+        def __init__(self, stream):
+            super().__init__(stream)
+            created.append(self)
+
+        def elapsed_time(self, end):
+            if self in broken or end in broken:
+                raise RuntimeError("CUDA error: invalid resource handle")
+            return super().elapsed_time(end)
+
+    m = make_monitor(rx, clock=CudaEventClock(lambda: Event(dev)), flush_seconds=0.01)
+    with caplog.at_level(logging.WARNING, logger="syncwatch.instrument"):
+        with m.phase("forward"):
+            dev.launch(10)
+        broken.append(created[-1])  # the phase's end
+        m.step(8)
+        for _ in range(2):
+            with m.phase("forward"):
+                dev.launch(1)
+            m.step(8)
+        dev.run()
+        recs = steps(rx, 2)
+    assert m._thread.is_alive() and m.errors == 1 and m.sender.dropped == 1
+    assert [r.step for r in recs] == [2, 3] and recs[-1].totals.internal_errors == 1
+    assert "internal error" in caplog.text
+    m.shutdown(timeout=0.05)
+
+
 @pytest.mark.gpu
 def test_cuda_event_clock_times_device_work():
     torch = pytest.importorskip("torch")

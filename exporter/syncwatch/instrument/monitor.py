@@ -329,18 +329,43 @@ class Monitor:
             self._emit(rec)
 
     def _resolve(self) -> None:
-        """Emit the lazily timed steps whose events the device has passed, oldest first."""
+        """Emit the lazily timed steps whose events the device has passed, oldest first.
+
+        On one stream, passing a step's end passes all of its events. A phase timed on another
+        stream (a prefetch inside ``torch.cuda.stream(side)``) can still be behind it, and
+        reading its events raises: the step waits for them. A step whose events cannot be read
+        once all are passed (a CUDA error) is dropped and counted, its events not recycled: the
+        exception, let out of here, stopped the records thread, and with it every later record
+        and heartbeat of the rank."""
         pending, ready = self._pending, self.clock.ready
         while pending:
             rec = pending[0]
-            if not ready(rec[3]) or (rec[6] is not None and not ready(rec[6][1])):
-                break
+            try:
+                if not ready(rec[3]) or (rec[6] is not None and not ready(rec[6][1])):
+                    break
+                self._emit(rec)
+            except Exception:
+                if not self._passed(rec):
+                    break
+                pending.popleft()
+                self.sender.dropped += 1
+                self._error()
+                continue
             pending.popleft()
-            self._emit(rec)
             self._release(rec)
         while len(pending) > MAX_PENDING:
             self._release(pending.popleft())
             self.sender.dropped += 1
+
+    def _passed(self, rec) -> bool:
+        """Whether the device has passed every event of the step ``rec`` (True where one cannot
+        even be queried: it never will be)."""
+        marks = [rec[2], rec[3], *(m for s in rec[4] for m in s[1:3]),
+                 *(m for pair in rec[5] for m in pair)]
+        try:
+            return all(map(self.clock.ready, marks))
+        except Exception:
+            return True
 
     def _release(self, rec) -> None:
         release = self.clock.release
