@@ -1338,6 +1338,43 @@ def test_a_watched_model_outliving_its_monitor_does_not_keep_it(rx, ddp_world1):
         m2.shutdown()
 
 
+@pytest.mark.parametrize("unused", [False, True], ids=["one-watched", "unused-allowed"])
+def test_a_watched_model_the_script_lets_go_of_is_freed(rx, ddp_world1, unused):
+    """torch keeps a parameter's post-accumulate-grad hooks where the garbage collector cannot
+    see them: a hook holding its model made a cycle never collected, and every DDP model the
+    process watched stayed in memory with its parameters and gradients (zero-code mode watches
+    each one built: a sweep, a cross-validation, a retry in the same process ran out of memory)."""
+    import gc
+    import weakref
+
+    from syncwatch.instrument import _state
+    from syncwatch.instrument.hooks import BUCKET_COUNT_READS, watch_gradients
+    from torch import nn
+    torch = ddp_world1
+    m = make_monitor(rx)
+    _state.set_monitor(m)
+    try:
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), find_unused_parameters=unused)
+        watch_gradients(ddp)  # the handle dropped, as zero-code mode does
+        for _ in range(BUCKET_COUNT_READS + 1):  # the bucket-count reads and the relay's steps
+            train_step(m, ddp, torch, torch.randn(4, 8))
+        assert steps(rx, BUCKET_COUNT_READS + 1)[-1].wait_seconds > 0
+        model, inner = weakref.ref(ddp), ddp.module
+        del ddp
+        gc.collect()
+        assert model() is None
+        inner(torch.randn(4, 8)).sum().backward()  # the module trained on alone: hooks still on
+        weight = weakref.ref(inner[0].weight)
+        del inner
+        gc.collect()
+        assert weight() is None and m.errors == 0
+    finally:
+        _state.set_monitor(None)
+        m.shutdown()
+
+
 def test_register_takes_an_fsdp_model_as_its_wrapped_collectives(rx, ddp_world1, caplog):
     torch = ddp_world1
     import syncwatch.instrument as sw

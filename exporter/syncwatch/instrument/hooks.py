@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import weakref
 
 from . import _state
 from .monitor import READY
@@ -111,6 +112,10 @@ def watch_gradients(model) -> Handle:
     # this watch's key in the monitor's relays (the first callback once the count is read): the
     # monitor keeps them, so that a model outliving a shut-down monitor does not keep it alive
     token = object()
+    # the hooks reach the model through a weak reference: torch keeps a parameter's hooks where
+    # the garbage collector cannot see them, so a hook holding its model made a cycle never
+    # collected, and every watched model stayed in memory with its parameters and gradients
+    ddp = weakref.ref(model)
 
     def gradients_ready():
         """The first callback while DDP's bucket count is still read."""
@@ -119,15 +124,15 @@ def watch_gradients(model) -> Handle:
             return
         try:
             queue(m.bucket_done)  # runs after DDP's finalize_backward, queued meanwhile
-            buckets[0], buckets[1] = _bucket_count(model), buckets[1] + 1
+            buckets[0], buckets[1] = _bucket_count(ddp()), buckets[1] + 1
             m._put((READY, m._mark(), buckets[0]))  # m.bucket_ready inlined: a frame less
         except Exception:
             m._error()
 
     def gradient_accumulated(param):
-        m = _state.monitor
-        if m is None or not model.require_backward_grad_sync:
-            return
+        m, model = _state.monitor, ddp()
+        if m is None or model is None or not model.require_backward_grad_sync:
+            return  # model None: the DDP is gone, its module trained on (wrapped anew, or alone)
         try:
             if watched > 1:  # with one watched parameter, this runs once per backward
                 task = task_id()
