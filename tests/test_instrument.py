@@ -1055,6 +1055,35 @@ def test_zero_code_install_after_torch_imported_fsdp_patches_what_the_script_imp
     assert out.stdout.split() == ["True"] * 4, out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("wrap", ["DistributedDataParallel({})",
+                                  "FullyShardedDataParallel({}, device_id=torch.device('cpu'))"],
+                         ids=["ddp", "fsdp"])
+def test_zero_code_keeps_no_model_the_script_lets_go_of(wrap):
+    """Zero-code mode attaches to every model built, out of the script's sight: one the script
+    drops (a sweep, a cross-validation fold, a retry in the same process) must be freed then, not
+    when the next one is built, with the one after it already in memory."""
+    code = ("import gc, os, weakref\n"
+            "from syncwatch.instrument import auto\n"
+            "auto.install()\n"
+            "import torch, torch.distributed as dist\n"
+            "from torch.distributed.fsdp import FullyShardedDataParallel\n"
+            "from torch.nn.parallel import DistributedDataParallel\n"
+            "torch.set_num_threads(1)\n"
+            "os.environ['SYNCWATCH_SOCKET'] = '/nonexistent/ingest.sock'\n"
+            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            f"model = {wrap.format('torch.nn.Linear(8, 8)')}\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "for _ in range(3):\n"
+            "    model(torch.randn(2, 8)).sum().backward(); opt.step(); opt.zero_grad()\n"
+            "steps, gone = auto._steps.steps, weakref.ref(model)\n"
+            "del model, opt\n"
+            "gc.collect()\n"
+            "print(steps, gone() is None)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.split() == ["3", "True"], out.stderr[-2000:]
+
+
 def test_register_handle_remove_restores_torch_distributed():
     dist = pytest.importorskip("torch.distributed")
     import syncwatch.instrument as sw

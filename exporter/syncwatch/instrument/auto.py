@@ -35,6 +35,7 @@ import importlib.abc
 import importlib.machinery
 import logging
 import sys
+import weakref
 
 from . import _state
 
@@ -310,7 +311,10 @@ def _attach_fsdp(model) -> None:
         _fsdp_undo.pop()()
     if getattr(type(model), "_syncwatch_patched", False):  # FullyShardedDataParallel
         model.__dict__[ATTACHED] = steps
-        _fsdp_undo.append(lambda: model.__dict__.pop(ATTACHED, None))
+        # held weakly, as the hooks' handles hold a fully_shard module: a model the script drops
+        # is freed then, not when the next one is built, with the one after it in memory already
+        ref = weakref.ref(model)
+        _fsdp_undo.append(lambda: getattr(ref(), "__dict__", {}).pop(ATTACHED, None))
         return
     pre = model.register_forward_pre_hook(
         lambda module, args, kwargs: steps.forward_pre(module, args, kwargs),
