@@ -157,7 +157,7 @@ def rank_main(a):
         if watch and not fsdp:
             handles.append(sw.register(model, collectives=False))
         if steps is not None:  # what auto._attach adds, with the optimizer hooks on this
-            steps.optimizer_id = None  # model's optimizer (_attach registers them globally)
+            steps.optimizer = auto.nobody  # model's optimizer (_attach: global hooks)
             models[1 - role][0].__dict__.pop(auto.ATTACHED, None)
             model.__dict__[auto.ATTACHED] = steps
             handles.extend((opt.register_step_pre_hook(steps.optimizer_pre),

@@ -1084,6 +1084,32 @@ def test_zero_code_keeps_no_model_the_script_lets_go_of(wrap):
     assert out.stdout.split() == ["3", "True"], out.stderr[-2000:]
 
 
+def test_zero_code_counts_the_steps_and_samples_of_a_second_run_in_the_same_process(rx):
+    """A sweep, a cross-validation, a retry: a new model and optimizer once the first are gone.
+    Their steps end and count their samples; held by ``id``, only the first run's did (the new
+    run's first step never ended, and the rank read as stalled)."""
+    code = ("import gc, os\n"
+            "from syncwatch.instrument import auto\n"
+            "auto.install()\n"
+            "import torch, torch.distributed as dist\n"
+            "from torch.nn.parallel import DistributedDataParallel\n"
+            "torch.set_num_threads(1)\n"
+            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "for run in range(2):\n"
+            "    model = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+            "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "    for _ in range(3):\n"
+            "        model(torch.randn(5, 8)).sum().backward(); opt.step(); opt.zero_grad()\n"
+            "    del model, opt\n"
+            "    gc.collect()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=subprocess_env(SYNCWATCH_SOCKET=rx.path), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    recs = steps(rx, 6)
+    assert [r.step for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert [r.samples for r in recs] == [5.0] * 6
+
+
 def test_register_handle_remove_restores_torch_distributed():
     dist = pytest.importorskip("torch.distributed")
     import syncwatch.instrument as sw

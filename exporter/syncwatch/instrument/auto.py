@@ -21,7 +21,8 @@ be created there):
 * a step ends after each ``step()`` of the first optimizer that steps, or a ``GradScaler.step``
   of it that skipped ``step()`` (inf or NaN gradients); samples = the batch dimension of the
   first tensor given to forward (``batch_size``), summed over the step's forwards of the first
-  model that runs one with autograd on; a forward with autograd off (evaluation under
+  model that runs one with autograd on (that optimizer or model once dropped: the next one, as
+  in a second run in the same process); a forward with autograd off (evaluation under
   ``torch.no_grad``, a frozen teacher) counts no samples and its time is ``other``.
 
 Not visible without the explicit API: tokens, checkpoints, the job's own step numbers (hence
@@ -143,6 +144,12 @@ def _patch_fully_shard_module(module) -> None:
             exporter.fully_shard = fully_shard
 
 
+def nobody() -> None:
+    """A weak reference to nothing: what ``_Steps`` holds before it takes an optimizer or a model
+    (calling it gives None, as a dead weak reference does)."""
+    return None
+
+
 class _Steps:
     """Phase switching driven by DDP's patched forward and optimizer hooks (one per process)."""
 
@@ -150,8 +157,11 @@ class _Steps:
         self.m = monitor
         self.grad_enabled = grad_enabled  # torch.is_grad_enabled
         self.cur = None
-        self.optimizer_id = None
-        self.model_id = None  # the model whose forwards count the samples: the first to run
+        # weak references: once the script drops them (a sweep, a cross-validation, a retry in
+        # the same process), the next optimizer to step and model to run take over; held by
+        # id, the new run's steps never ended and its samples were never counted
+        self.optimizer = nobody  # the optimizer whose steps end the steps: the first to step
+        self.model = nobody  # the model whose forwards count the samples: the first to run
         self.in_eval = False  # the forward under way runs with autograd off
         self.samples = 0
         self.steps = 0  # steps ended; the first one starts at the first forward, not here:
@@ -173,9 +183,9 @@ class _Steps:
             if self.in_eval:  # evaluation, a frozen teacher: no training samples, time in other
                 self.switch("other")
                 return
-            if self.model_id is None:
-                self.model_id = id(model)
-            if id(model) == self.model_id:  # a second model (a GAN's other half) sees the
+            if self.model() is None:
+                self.model = weakref.ref(model)
+            if self.model() is model:  # a second model (a GAN's other half) sees the
                 self.samples += batch_size(args, kwargs)  # same samples again
             self.switch("forward")
         except Exception:
@@ -188,13 +198,13 @@ class _Steps:
     def optimizer_pre(self, optimizer, args, kwargs):
         if _state.monitor is not self.m:
             return
-        if self.optimizer_id is None:
-            self.optimizer_id = id(optimizer)
-        if id(optimizer) == self.optimizer_id:
+        if self.optimizer() is None:
+            self.optimizer = weakref.ref(optimizer)
+        if self.optimizer() is optimizer:
             self.switch("optimizer")
 
     def optimizer_post(self, optimizer, args, kwargs):
-        if _state.monitor is not self.m or id(optimizer) != self.optimizer_id:
+        if _state.monitor is not self.m or self.optimizer() is not optimizer:
             return
         self.end_step()
 
@@ -203,9 +213,9 @@ class _Steps:
         gradients): the iteration still ends, as if it had stepped."""
         if _state.monitor is not self.m:
             return
-        if self.optimizer_id is None:
-            self.optimizer_id = id(optimizer)
-        if id(optimizer) == self.optimizer_id:
+        if self.optimizer() is None:
+            self.optimizer = weakref.ref(optimizer)
+        if self.optimizer() is optimizer:
             self.end_step()
 
     def end_step(self):
