@@ -343,6 +343,25 @@ def test_window_size_after_the_first_takes_the_target_seconds_at_most_k():
     assert window_size(10.0, 50, 0.0) == 50  # adaptation off
 
 
+@pytest.mark.parametrize("seconds", [float("inf"), float("nan")])
+def test_skew_seconds_of_inf_or_nan_keeps_windows_of_k(rx, seconds):
+    """``SYNCWATCH_SKEW_SECONDS=inf`` (never shorter than K) is read as given: sizing the windows
+    with it raised on the records thread, which lost that step's record and, the first result
+    taken, never cut a window again (the waits piling up for good)."""
+    ex = FakeExchange()
+    m = make_monitor(rx, exchange=ex, exchange_every=3, exchange_seconds=seconds)
+    for _ in range(3):
+        m.step(1)
+    m.flush()
+    ex.results.append(WindowResult(0.0, 0, (0.0,) * 3, step_seconds=0.1))
+    for _ in range(6):
+        m.step(1)
+    m.flush()
+    assert [len(w) for w in ex.windows] == [3, 3, 3] and m.errors == 0
+    assert [r.step for r in steps(rx, 9)] == list(range(1, 10))
+    m.shutdown()
+
+
 def test_windows_after_the_first_are_sized_by_its_result(rx):
     """The first window is K steps. The next ones wait for its result, whose all-reduced median
     step time sizes them (the same on every rank), then go as soon as they are full."""

@@ -34,10 +34,12 @@ class WindowResult:
 def window_size(step_seconds: float, most: int, seconds: float = EXCHANGE_SECONDS) -> int:
     """The size of the windows after the first: the steps that take ``seconds`` at the first
     window's ``step_seconds`` (its median, all-reduced MAX: the same on every rank, so every rank
-    cuts the same windows), at most ``most`` (K) and at least 1. ``seconds`` <= 0: K."""
-    if seconds <= 0 or not step_seconds > 0:
+    cuts the same windows), at most ``most`` (K) and at least 1. ``seconds`` <= 0: K; infinite
+    (never shorter than K) or NaN, as ``SYNCWATCH_SKEW_SECONDS`` may give it: K, the quotient
+    capped before it becomes an integer (``int`` of an infinite or NaN one raises)."""
+    if not seconds > 0 or not step_seconds > 0:
         return most
-    return max(1, min(most, int(seconds // step_seconds)))
+    return max(1, int(min(most, seconds // step_seconds)))
 
 
 def derive(my_waits, mins, maxs) -> WindowResult:
