@@ -419,7 +419,8 @@ def test_shutdown_sends_the_last_windows_exchange_results_with_the_last_step_aga
     assert (again.totals.steps, again.step_seconds, again.samples) == (
         first.totals.steps, first.step_seconds, first.samples)
 
-    rx.records.clear()
+    assert wait_for(lambda: rx.of(EndRecord))  # the first monitor's last record, read before
+    rx.records.clear()                          # the clear, not taken for the second's
     ex2 = FakeExchange()  # nothing left to report: no second copy
     m2 = make_monitor(rx, exchange=ex2, exchange_every=3)
     m2.step(1)
