@@ -106,7 +106,7 @@ def build() -> db.Dashboard:
                   "(it does not wait); a larger data or forward share names what makes it slow.",
                   query(f'sum by (rank, phase) (rate(syncwatch_phase_seconds_total{{{RANKS}}}[$__range]) {ON_NODE})',
                         instant=True, table=True),
-                  unit="s", w=24, h=9)
+                  unit="percentunit", w=24, h=9)
             .with_transformation(dm.DataTransformerConfig(
                 id_val="groupingToMatrix",
                 options={"columnField": "phase", "rowField": "rank", "valueField": "Value"}))

@@ -132,6 +132,16 @@ def test_panels_reading_the_skew_exchange_say_what_they_show_without_it(uid):
 
 
 @pytest.mark.parametrize("uid", sorted(DASHBOARDS))
+def test_panels_showing_a_share_show_percent(uid):
+    """A panel whose description says it shows a share reads as one: the phase breakdown per rank
+    (rate of phase seconds: seconds per second) was in unit "s", so its tooltip read a rank's sync
+    share of 45 % as "450 ms"."""
+    for p in queries.panels(DASHBOARDS[uid]):
+        if p["description"].startswith("Share of"):
+            assert p["fieldConfig"]["defaults"].get("unit") == "percentunit", p["title"]
+
+
+@pytest.mark.parametrize("uid", sorted(DASHBOARDS))
 def test_every_variable_is_used_and_every_used_variable_exists(uid):
     d = DASHBOARDS[uid]
     defs = queries.variables(d)
