@@ -5,18 +5,23 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import stat, table, timeseries
 from grafana_foundation_sdk.builders import common as cb
+from syncwatch.rules.thresholds import THRESHOLDS
 
 from .common import (JOB, RATE, dashboard, legend_table, panel, query, thresholds, train_job_variable)
 
 UID = "syncwatch-job-overview"
 
-_SCORE_THRESHOLDS = thresholds((None, "green"), (0.1, "orange"), (0.25, "red"))
+#: Red where the rules warn: coupling at SyncwatchCouplingHigh (the sync tax has no alert and
+#: shares its colours).
+_SCORE_THRESHOLDS = thresholds((None, "green"), (0.1, "orange"), (THRESHOLDS.coupling_warn, "red"))
+#: Orange above the calibrated healthy range (docs/rules.md: healthy < 0.2), red at SyncwatchJobUnstable.
+_INSTABILITY_THRESHOLDS = thresholds((None, "green"), (0.2, "orange"), (THRESHOLDS.instability_warn, "red"))
 
 
-def _score(title: str, description: str, expr: str) -> stat.Panel:
+def _score(title: str, description: str, expr: str, colours=_SCORE_THRESHOLDS) -> stat.Panel:
     return (panel(stat.Panel(), title, description, query(expr, "{{train_job}}"),
                   unit="percentunit", w=4, h=4)
-            .thresholds(_SCORE_THRESHOLDS).min(0).max(1)
+            .thresholds(colours).min(0).max(1)
             .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"])))
 
 
@@ -49,7 +54,7 @@ def build() -> db.Dashboard:
             "re-run work (components in the panel below). High means step times are erratic even "
             "if the mean looks fine. Without the skew exchange (K = 0) its skew is an estimate "
             "from the ranks' mean waits.",
-            f'train_job:syncwatch_instability:score{{{JOB}}}'))
+            f'train_job:syncwatch_instability:score{{{JOB}}}', _INSTABILITY_THRESHOLDS))
         .with_panel(_score(
             "Sync tax",
             "Share of step time spent inside gradient synchronization (sync phase / step time, "
@@ -64,7 +69,8 @@ def build() -> db.Dashboard:
                   "smallest, not of steps.",
                   query(f'train_job:syncwatch_straggler_concentration:ratio10m{{{JOB}}}', "{{train_job}}"),
                   unit="percentunit", w=4, h=4)
-            .thresholds(thresholds((None, "green"), (0.5, "orange"), (0.8, "red"))).min(0).max(1))
+            .thresholds(thresholds((None, "green"), (0.5, "orange"), (THRESHOLDS.straggler_share, "red")))
+            .min(0).max(1))
         .with_panel(
             panel(stat.Panel(), "World size and attempt",
                   "Ranks in the job and the current attempt (0 = never restarted; a Slurm requeue of a "

@@ -141,6 +141,30 @@ def test_panels_showing_a_share_show_percent(uid):
             assert p["fieldConfig"]["defaults"].get("unit") == "percentunit", p["title"]
 
 
+def _colour_at(p: dict, value: float) -> str:
+    steps = p["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    return [s["color"] for s in steps if s["value"] is None or s["value"] <= value][-1]
+
+
+def test_score_stats_turn_red_where_their_alert_fires():
+    """Red on a stat is where the rules page, no earlier and no later
+    (exporter/syncwatch/rules/thresholds.py): the instability stat was red from 0.25 while
+    SyncwatchJobUnstable warns above 0.5 (the calibration keeps healthy jobs under 0.2), and the
+    straggler concentration stat stayed orange up to 0.8 while SyncwatchPersistentStraggler fires
+    from a last-arrival share of 0.6."""
+    from syncwatch.rules.thresholds import THRESHOLDS as T
+
+    stats = {p["title"]: p for p in queries.panels(DASHBOARDS["syncwatch-job-overview"])}
+    for title, alert in (("Coupling score", T.coupling_warn), ("Instability score", T.instability_warn),
+                         ("Straggler concentration", T.straggler_share)):
+        assert _colour_at(stats[title], alert * 0.99) != "red", title
+        assert _colour_at(stats[title], alert * 1.01) == "red", title
+    eff = next(p for p in queries.panels(DASHBOARDS["syncwatch-efficiency"])
+               if p["title"] == "Efficiency against baseline")
+    assert _colour_at(eff, T.efficiency_warn * 0.99) == "red"
+    assert _colour_at(eff, T.efficiency_warn * 1.01) != "red"
+
+
 @pytest.mark.parametrize("uid", sorted(DASHBOARDS))
 def test_every_variable_is_used_and_every_used_variable_exists(uid):
     d = DASHBOARDS[uid]
