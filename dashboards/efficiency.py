@@ -27,13 +27,22 @@ def _energy_rate(window: str) -> str:
 SLACK_ESTIMATE = estimated(f'train_job_rank:syncwatch_slack:ratio5m{{{JOB}}}')
 
 
+def _slack_share(window: str) -> str:
+    """Each rank's share of its time idle at the barrier over ``window``: its slack per step of the
+    skew exchange over its mean step time. Slack reaches the daemons K steps at a time, so it is
+    divided by the steps the exchanges covered (the count of rank 0's skew histogram), as on the
+    Straggler map, never by the steps of the window; a window without an exchange has no value."""
+    return (f'(rate(syncwatch_slack_seconds_total{{{JOB}}}[{window}]) / on (train_job) group_left () '
+            f'(sum by (train_job) (rate(syncwatch_barrier_skew_seconds_count{{{JOB}}}[{window}])) > 0)'
+            f' / (rate(syncwatch_step_seconds_total{{{JOB}}}[{window}])'
+            f' / rate(syncwatch_steps_total{{{JOB}}}[{window}])))')
+
+
 def _waiting_watts(window: str, slack_estimate: str) -> str:
     """Watts of the job's GPUs spent idle at barriers: each rank's GPU power times its slack share
     over ``window``, or for a job without any slack in it, ``slack_estimate`` (the estimate from
     mean waits of a job without the skew exchange)."""
-    slack_share = (f'(rate(syncwatch_slack_seconds_total{{{JOB}}}[{window}])'
-                   f' / rate(syncwatch_step_seconds_total{{{JOB}}}[{window}])'
-                   f' or on (train_job) {slack_estimate})')
+    slack_share = f'({_slack_share(window)} or on (train_job) {slack_estimate})'
     return (f'sum by (train_job) ({slack_share} * on (train_job, rank) group_left () '
             f'sum by (train_job, rank) ({_energy_rate(window)}))')
 
@@ -86,10 +95,12 @@ def build() -> db.Dashboard:
         .with_panel(
             panel(timeseries.Panel(), "GPUs idle at barriers",
                   "How many GPUs' worth of time the job spends idle waiting for slower peers (sum "
-                  "of the ranks' slack rates): 2.5 = two and a half GPUs paid for doing nothing. "
-                  "Without the skew exchange (K = 0) an estimate: the sum of the ranks' slack shares "
-                  "estimated from their mean waits over 5 m (a lower bound: jitter averages out).",
-                  query(f'sum by (train_job) (rate(syncwatch_slack_seconds_total{{{JOB}}}[{RATE}]))'
+                  "of the ranks' slack shares: slack per step of the skew exchange / mean step "
+                  "time): 2.5 = two and a half GPUs paid for doing nothing. With the skew exchange "
+                  "(every K = 50 steps) an interval without one has no point. Without it (K = 0) an "
+                  "estimate: the sum of the ranks' slack shares estimated from their mean waits over "
+                  "5 m (a lower bound: jitter averages out).",
+                  query(f'sum by (train_job) ({_slack_share(RATE)})'
                         f' or on (train_job) sum by (train_job) ({SLACK_ESTIMATE})',
                         "GPUs idle"),
                   unit="short", w=6)
@@ -98,7 +109,8 @@ def build() -> db.Dashboard:
             panel(timeseries.Panel(), "Power burned waiting at barriers",
                   "GPU power of each rank weighted by the share of its time it idled at the barrier, "
                   "summed over the job, beside the job's whole GPU power. The ratio of the two is "
-                  "the share of the energy bill paid for waiting. Without the skew exchange (K = 0) "
+                  "the share of the energy bill paid for waiting. With the skew exchange (every "
+                  "K = 50 steps) an interval without one has no point. Without it (K = 0) "
                   "the idle share is estimated from the ranks' mean waits over 5 m (a lower bound).",
                   query(waiting_now, "while waiting"),
                   query(f'sum by (train_job) ({_energy_rate(RATE)})', "all GPUs of the job"),

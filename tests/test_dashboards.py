@@ -317,6 +317,27 @@ def test_straggler_map_reads_the_steps_of_the_skew_exchange(tmp_path):
     ], rule_files=RECORDING_RULES)
 
 
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus)")
+def test_efficiency_reads_the_steps_of_the_skew_exchange(tmp_path):
+    """Same job, each GPU drawing 200 W: rank 1 idles 0.3 s of each 3 s step, so the job has 0.1
+    GPUs idle and burns 20 W waiting; an interval without an exchange has no value. Both panels
+    divided the slack of the exchange's 50 steps by the ~20 steps of time of the interval and read
+    0.25 GPUs and 50 W after an exchange, then 0 GPUs and 0 W until the next one: a comb around the
+    truth, not a level."""
+    series = _skew_exchange_job(3)
+    total = 39
+    series.update({f'syncwatch_gpu_energy_joules_total{{gpu="0", uuid="GPU-{n}0", instance="{n}:9477"}}':
+                   f"0+3000x{total}" for n in "ab"})
+    idle = f'round({_panel_expr("syncwatch-efficiency", "GPUs idle at barriers")}, 0.0001)'
+    waiting = f'round({_panel_expr("syncwatch-efficiency", "Power burned waiting at barriers")}, 0.0001)'
+    _promtool_expect(tmp_path, series, [
+        (idle, WITH_EXCHANGE, [{"labels": '{train_job="j"}', "value": 0.1}]),
+        (idle, WITHOUT_EXCHANGE, []),
+        (waiting, WITH_EXCHANGE, [{"labels": '{train_job="j"}', "value": 20}]),
+        (waiting, WITHOUT_EXCHANGE, []),
+    ], rule_files=RECORDING_RULES)
+
+
 def _mean_wait_job(step_seconds: float, skew: float = 0.3, transfer: float = 0.05) -> dict[str, str]:
     """The job of ``_skew_exchange_job`` without the skew exchange (K = 0): no slack, last-arrival
     or skew series, only the waits (rank 0 waits ``transfer`` every step, rank 1 ``skew`` more),
