@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import threading
 import time
@@ -225,3 +226,13 @@ def test_path_sysfs_routes_every_read(tmp_path):
 def test_invalid_schedule_is_rejected():
     with pytest.raises(ValueError):
         CollectorRunner({}, interval=0)
+
+
+@pytest.mark.parametrize("schedule", [dict(interval=math.nan), dict(interval=math.inf),
+                                      dict(timeout=math.nan), dict(timeout=math.inf)])
+def test_a_non_finite_schedule_is_rejected(schedule):
+    # interval NaN passed "<= 0": the worker waited max(0, NaN - elapsed) = 0 s between cycles
+    # (a core spinning) and its snapshots were never fresh enough (stale_after NaN) to be served;
+    # interval inf raised OverflowError in Event.wait and ended the worker after one cycle
+    with pytest.raises(ValueError):
+        CollectorRunner({}, **schedule)

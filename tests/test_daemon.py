@@ -696,6 +696,15 @@ def test_env_twins_configure_the_daemon(sock_path):
     assert (cfg.rank_ttl, cfg.max_jobs, cfg.socket, cfg.listen) == (7.5, 3, None, "127.0.0.1:9477")
 
 
+@pytest.mark.parametrize("field", ["rank_ttl", "job_grace"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_ttl_or_grace_is_a_config_error(field, bad):
+    # NaN passed "> 0" unnoticed: every "silent past the TTL" comparison is then False, no rank or
+    # job ever expired, and once --max-ranks ranks had come and gone every new rank was rejected
+    with pytest.raises(ValueError, match=field):
+        DaemonConfig(socket=None, **{field: bad})
+
+
 def test_non_finite_and_struct_level_garbage_never_crash_the_reader(daemon, client):
     rng = random.Random(11)
     good = _valid_step()

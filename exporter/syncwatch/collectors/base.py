@@ -23,6 +23,7 @@ when the source is simply absent; 0 = it raised, reported a problem, or overran 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -160,8 +161,11 @@ class CollectorRunner:
 
     def __init__(self, collectors: Mapping[str, object], *, interval: float = 5.0, timeout: float = 2.0,
                  stale_after: float | None = None, clock: Callable[[], float] = time.monotonic):
-        if interval <= 0 or timeout <= 0:
-            raise ValueError("collector interval and timeout must be positive")
+        # NaN passes "<= 0": a NaN interval made the worker spin without pause and its snapshots
+        # never count as fresh; an infinite one ends the worker in Event.wait (OverflowError)
+        if not (0 < interval < math.inf and 0 < timeout < math.inf):
+            raise ValueError(f"collector interval and timeout must be positive and finite, "
+                             f"got {interval:g} and {timeout:g}")
         self.stale_after = stale_after if stale_after is not None else 3 * interval + timeout
         self.clock = clock
         self._workers = [_Worker(name, c, interval, timeout, clock, RateLimitedLog(name, clock=clock))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import socket
 from dataclasses import dataclass, field
 
@@ -25,8 +26,10 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         if self.window < 3:
             raise ValueError(f"window must be at least 3 steps, got {self.window}")
-        if self.rank_ttl <= 0 or self.job_grace < 0:
-            raise ValueError("rank_ttl must be > 0 and job_grace >= 0")
+        # NaN passes "<= 0" and then never compares greater: no rank or job would ever expire
+        if not (0 < self.rank_ttl < math.inf and 0 <= self.job_grace < math.inf):
+            raise ValueError(f"rank_ttl must be > 0 and job_grace >= 0, both finite; got rank_ttl "
+                             f"{self.rank_ttl:g}, job_grace {self.job_grace:g}")
         if self.max_ranks < 1 or self.max_jobs < 1:
             raise ValueError("max_ranks and max_jobs must be at least 1")
         parse_address(self.listen, "listen")
