@@ -220,8 +220,14 @@ def hardware(c: Ctx) -> list[dict]:
         return (f"increase({xid}[{hw}]) > 0\nor\n(\n  ({xid} unless {xid} offset {hw})\n"
                 f"  and on (instance)\n  syncwatch_build_info offset {hw}\n)")
 
-    ib_errors = ('{__name__=~"syncwatch_ib_(symbol_errors|port_rcv_errors|link_integrity_errors'
-                 '|buffer_overrun_errors|link_downed)_total"}')
+    # Each counter apart, told apart by a label: one increase() of all five at once (a
+    # ``__name__`` regex) drops their names and keeps the port's labels five times, so the rule
+    # failed to evaluate ("vector cannot contain metrics with the same labelset") on every daemon
+    # with an InfiniBand port, which exports all five.
+    ib_errors = "\n  or\n  ".join(
+        f'label_replace(increase(syncwatch_ib_{name}_total[{hw}]), "counter", "{name}", "", "")'
+        for name in ("symbol_errors", "port_rcv_errors", "link_integrity_errors",
+                     "buffer_overrun_errors", "link_downed"))
     return [
         alert(c, "SyncwatchGpuThrottlingOnStraggler",
               f"({throttled})\n* on (instance, uuid) group_left (train_job, rank, node)\n{straggler_gpus}",
@@ -260,7 +266,7 @@ def hardware(c: Ctx) -> list[dict]:
               f"NIC {{{{ $labels.device }}}} on {INSTANCE} shows errors or carrier changes in the last "
               f"{hw}."),
         alert(c, "SyncwatchIbLinkErrors",
-              f"sum by (instance, device, port) (increase({ib_errors}[{hw}])) > 0",
+              f"sum by (instance, device, port) (\n  {ib_errors}\n) > 0",
               w.for_link_errors, "warning",
               "An InfiniBand port shows link errors.",
               f"InfiniBand port {{{{ $labels.device }}}}/{{{{ $labels.port }}}} on {INSTANCE} counted "
