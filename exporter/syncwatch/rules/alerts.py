@@ -202,13 +202,18 @@ def hardware(c: Ctx) -> list[dict]:
     # stragglers of two jobs (a slow node slows every job on it) matched two series for one
     # daemon, the rule failed to evaluate ("many-to-many matching not allowed") and the alert
     # was gone cluster-wide; and a throttling GPU of another rank is not this rank's cause. The
-    # topk keeps the join unique even for two ranks sharing a GPU.
+    # topk keeps the join unique even for two ranks sharing a GPU. The straggler is the one
+    # SyncwatchPersistentStraggler names, its peers' idling included: a rank last by a hair in
+    # every step (one that logs; a single-rank job's, always) costs them nothing, and its GPU at
+    # its power cap under full load is no straggler's cause.
     straggler_gpus = (
         "topk by (instance, uuid) (1,\n"
         "  group by (instance, uuid, train_job, rank, node) (\n"
         f"    {RANK_NODE}\n"
         "    and on (train_job, rank)\n"
-        f"    train_job_rank:syncwatch_last_arrival:ratio10m >= {t.straggler_share:g}\n  )\n)")
+        f"    train_job_rank:syncwatch_last_arrival:ratio10m >= {t.straggler_share:g}\n"
+        "    and on (train_job)\n"
+        f"    train_job:syncwatch_coupling:ratio5m >= {t.straggler_min_coupling:g}\n  )\n)")
 
     def xid_new(selector: str) -> str:
         """XID counts that rose in the hardware window, or whose series appeared in it: the daemon
