@@ -58,8 +58,8 @@ def variance(c: Ctx) -> list[dict]:
               w.for_instability, "warning",
               "Instability score of a train job is high.",
               f"Instability score of train job {JOB} is {_num()} (warns above {t.instability_warn:g}); "
-              f"see train_job:syncwatch_instability:component for which of step CV, CV growth, "
-              f"barrier skew, oscillation and re-runs drives it."),
+              f"see train_job:syncwatch_instability:component for which of step CV, counter CV, "
+              f"CV growth, barrier skew, skew growth, oscillation, re-runs and restarts drives it."),
         alert(c, "SyncwatchStepTimeOscillating",
               f"train_job:syncwatch_step_autocorrelation:avg < -{t.oscillation_warn:g}",
               w.for_oscillation, "warning",
