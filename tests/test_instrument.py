@@ -343,6 +343,18 @@ def test_window_size_after_the_first_takes_the_target_seconds_at_most_k():
     assert window_size(10.0, 50, 0.0) == 50  # adaptation off
 
 
+def first_window_then(m, ex, k, step_seconds, more):
+    """K steps, the first window's result (the slowest rank's median ``step_seconds``) back,
+    then ``more`` steps, each batch replayed as the records thread does."""
+    for _ in range(k):
+        m.step(1)
+    m.flush()
+    ex.results.append(WindowResult(0.0, 0, (0.0,) * k, step_seconds=step_seconds))
+    for _ in range(more):
+        m.step(1)
+    m.flush()
+
+
 @pytest.mark.parametrize("seconds", [float("inf"), float("nan")])
 def test_skew_seconds_of_inf_or_nan_keeps_windows_of_k(rx, seconds):
     """``SYNCWATCH_SKEW_SECONDS=inf`` (never shorter than K) is read as given: sizing the windows
@@ -350,13 +362,7 @@ def test_skew_seconds_of_inf_or_nan_keeps_windows_of_k(rx, seconds):
     taken, never cut a window again (the waits piling up for good)."""
     ex = FakeExchange()
     m = make_monitor(rx, exchange=ex, exchange_every=3, exchange_seconds=seconds)
-    for _ in range(3):
-        m.step(1)
-    m.flush()
-    ex.results.append(WindowResult(0.0, 0, (0.0,) * 3, step_seconds=0.1))
-    for _ in range(6):
-        m.step(1)
-    m.flush()
+    first_window_then(m, ex, 3, 0.1, 6)
     assert [len(w) for w in ex.windows] == [3, 3, 3] and m.errors == 0
     assert [r.step for r in steps(rx, 9)] == list(range(1, 10))
     m.shutdown()
@@ -382,13 +388,7 @@ def test_windows_after_the_first_are_sized_by_its_result(rx):
 
     ex2 = FakeExchange()  # fast steps: K stays
     m2 = make_monitor(rx, exchange=ex2, exchange_every=3)
-    for _ in range(3):
-        m2.step(1)
-    m2.flush()
-    ex2.results.append(WindowResult(0.0, 0, (0.0,) * 3, step_seconds=0.001))
-    for _ in range(6):
-        m2.step(1)
-    m2.flush()
+    first_window_then(m2, ex2, 3, 0.001, 6)
     assert [len(w) for w in ex2.windows] == [3, 3, 3]
     ex2.failed = True  # the exchange stopped: no window waits for a result that never comes
     for _ in range(5):
