@@ -208,6 +208,43 @@ def test_stack_up_runs_both_until_interrupted(exporter, sig):
             proc.wait()
 
 
+# ``stack up`` whose Popen holds on for 2 s after forking the first server (Alertmanager), the
+# window where a stop signal once raised inside Popen: the server ran, the stack did not hold it
+SLOW_POPEN = """
+import pathlib, subprocess, sys, time
+real = subprocess.Popen
+class Popen(real):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        pathlib.Path(sys.argv[1]).touch()
+        time.sleep(2)
+subprocess.Popen = Popen
+from syncwatch.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.skipif(shutil.which("prometheus-alertmanager") is None and shutil.which("alertmanager") is None,
+                    reason="Alertmanager missing (Debian package: prometheus-alertmanager)")
+def test_a_stop_signal_while_a_server_is_being_forked_leaves_none_running(tmp_path):
+    data, forked = tmp_path / "stack-data", tmp_path / "forked"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_POPEN, str(forked), "stack", "up", "--targets", "127.0.0.1:1",
+         "--prometheus-port", "0", "--alertmanager-port", "0", "--data-dir", str(data)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT)
+    try:
+        wait_until(forked.exists, 30, what="Alertmanager to be forked")
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(20) == 0, proc.stderr.read()
+        left = subprocess.run(["pgrep", "-f", str(data)], capture_output=True, text=True).stdout
+        assert left == "", left
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["pkill", "-f", str(data)], capture_output=True)
+
+
 @pytest.mark.skipif(shutil.which("prometheus-alertmanager") is None and shutil.which("alertmanager") is None,
                     reason="Alertmanager missing (Debian package: prometheus-alertmanager)")
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])

@@ -83,6 +83,10 @@ def wait_until(predicate: Callable[[], object], timeout: float, interval: float 
         time.sleep(interval)
 
 
+# set by a stop signal while ``stack up`` runs (``_stop_on_signals``): a server starting gives up
+_stopping = [False]
+
+
 class _Server:
     """A server process on a free loopback port with a work directory (``workdir``, created if
     missing, or a private temporary one removed on ``stop()``) holding its YAML ``config``."""
@@ -131,6 +135,8 @@ class _Server:
             deadline = time.monotonic() + timeout
             try:
                 while self.proc.poll() is None and time.monotonic() < deadline:
+                    if _stopping[0]:
+                        raise KeyboardInterrupt
                     if self._ready():
                         return self
                     time.sleep(0.2)
@@ -392,7 +398,7 @@ def run_up(args: argparse.Namespace) -> int:
         if am:
             print(f"alertmanager {am.url}", flush=True)
         print("Ctrl-C stops.", flush=True)
-        while True:
+        while not _stopping[0]:
             for s in servers:
                 if s.proc.poll() is not None:
                     print(f"{s.name} exited; log:\n{s.log_tail()}", file=sys.stderr)
@@ -410,6 +416,7 @@ def run_up(args: argparse.Namespace) -> int:
             shutil.rmtree(work, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _stopping[0] = False
     return 0
 
 
@@ -421,14 +428,18 @@ def _host_port(target: str) -> bool:
 
 
 def _stop_on_signals() -> dict:
-    """SIGTERM and SIGHUP (``kill``, a closed terminal) stop the stack as Ctrl-C does, from before
-    the first server starts: the servers run in sessions of their own, and a stack killed while
-    one started, or by a signal it did not handle, left them running. Returns the handlers it
-    replaced (none off the main thread, where Python cannot set any)."""
+    """Ctrl-C, SIGTERM and SIGHUP (``kill``, a closed terminal) stop the stack, from before the
+    first server starts: the servers run in sessions of their own, and a stack killed while one
+    started, or by a signal it did not handle, left them running. The handler only sets
+    ``_stopping``, which the start and the main loop check: one raising KeyboardInterrupt could
+    land inside ``subprocess.Popen``, after the server was forked but before the stack held it,
+    and left it running. Returns the handlers it replaced (none off the main thread, where
+    Python cannot set any)."""
+    _stopping[0] = False
     if threading.current_thread() is not threading.main_thread():
         return {}
 
     def stop(signum, frame):
-        raise KeyboardInterrupt
-    return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        _stopping[0] = True
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
