@@ -5,6 +5,7 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import stat, table, timeseries
 from grafana_foundation_sdk.builders import common as cb
+from grafana_foundation_sdk.models import dashboard as dm
 from syncwatch.rules.thresholds import THRESHOLDS
 
 from .common import (JOB, RATE, dashboard, legend_table, panel, query, thresholds, train_job_variable)
@@ -89,7 +90,12 @@ def build() -> db.Dashboard:
                   query(f'train_job:syncwatch_restarts:increase1h{{{JOB}}}', "restarts (1h)"),
                   query(f'train_job:syncwatch_rerun_steps:increase1h{{{JOB}}}', "re-run steps (1h)"),
                   w=4, h=4)
-            .thresholds(thresholds((None, "green"), (1, "orange"))))
+            .thresholds(thresholds((None, "green"), (1, "orange")))
+            # the restarts red where SyncwatchJobCrashLooping pages; re-run steps have no alert
+            .override_by_name("restarts (1h)", [dm.DynamicConfigValue(id_val="thresholds", value={
+                "mode": "absolute", "steps": [{"value": None, "color": "green"},
+                                              {"value": 1, "color": "orange"},
+                                              {"value": THRESHOLDS.restarts_crit, "color": "red"}]})]))
         .with_row(db.Row("Which failure mode"))
         .with_panel(
             panel(timeseries.Panel(), "Coupling score and its components",

@@ -159,6 +159,14 @@ def test_score_stats_turn_red_where_their_alert_fires():
                          ("Straggler concentration", T.straggler_share)):
         assert _colour_at(stats[title], alert * 0.99) != "red", title
         assert _colour_at(stats[title], alert * 1.01) == "red", title
+    restarts = stats["Restarts and re-run steps"]  # red for the restarts only, at the crash loop
+    (override,) = [o for o in restarts["fieldConfig"]["overrides"]
+                   if o["matcher"] == {"id": "byName", "options": "restarts (1h)"}]
+    (steps,) = [p["value"] for p in override["properties"] if p["id"] == "thresholds"]
+    as_restarts = {"fieldConfig": {"defaults": {"thresholds": steps}}}
+    assert _colour_at(as_restarts, T.restarts_crit - 1) == "orange"
+    assert _colour_at(as_restarts, T.restarts_crit) == "red"
+    assert _colour_at(restarts, 10_000) == "orange"  # re-run steps: no alert, never red
     eff = next(p for p in queries.panels(DASHBOARDS["syncwatch-efficiency"])
                if p["title"] == "Efficiency against baseline")
     assert _colour_at(eff, T.efficiency_warn * 0.99) == "red"
