@@ -97,6 +97,11 @@ CASES = [
         ("syncwatch_gpu_up", key(2)): 1}, 0),
     ("nvml_timeout", lost(N.NVML_ERROR_TIMEOUT), {
         ("syncwatch_gpu_up", key(3)): 0, ("syncwatch_gpu_sm_clock_hertz", key(3)): None}, 0),
+    # the daemon may not open GPU 3 (its device file is not granted): a collector error, and no
+    # syncwatch_gpu_up 0, which would page SyncwatchGpuLost for a healthy GPU
+    ("no_permission_for_gpu", lost(N.NVML_ERROR_NO_PERMISSION), {
+        ("syncwatch_gpu_up", key(3)): None, ("syncwatch_gpu_temperature_celsius", key(3)): None,
+        ("syncwatch_gpu_up", key(4)): 1, ("syncwatch_gpu_temperature_celsius", key(4)): 44}, 1),
     ("not_supported", unsupported, {
         ("syncwatch_gpu_memory_temperature_celsius", key(0)): None,
         ("syncwatch_gpu_pcie_replays_total", key(0)): None,

@@ -10,6 +10,9 @@ Failure semantics:
 * A GPU that is lost (``GPU_IS_LOST``), needs a reset (``RESET_REQUIRED``) or times out
   (``TIMEOUT``) reports ``syncwatch_gpu_up 0`` and none of its values (withdrawn, not frozen);
   the other GPUs keep reporting.
+* A GPU the daemon may not open (``NO_PERMISSION`` for its handle: its device file is not granted
+  to the daemon) is a collector error and reports nothing, not ``syncwatch_gpu_up 0``: its GPU is
+  not lost, and SyncwatchGpuLost would page for it.
 * ``NOT_SUPPORTED`` means that one metric is absent for that GPU, and ``FUNCTION_NOT_FOUND`` (the
   driver predates the call) that it is absent on this node; the clock-event reasons then come
   from the older name of the same call. Any other NVML error drops that metric and is reported as
@@ -49,6 +52,11 @@ log = logging.getLogger("syncwatch.collectors.gpu")
 
 class _GpuDown(Exception):
     pass
+
+
+class _GpuForbidden(Exception):
+    """NVML may not open this GPU for the daemon (``NO_PERMISSION``): a deployment fault of ours,
+    not a hardware state. ``syncwatch_gpu_up 0`` would page SyncwatchGpuLost for a healthy GPU."""
 
 
 class GpuCollector:
@@ -165,6 +173,10 @@ class GpuCollector:
         for i in range(count):
             try:
                 uuid, values = self._read_gpu(i, errors)
+            except _GpuForbidden as e:
+                errors.append(f"gpu {i} not watched: {e} (the daemon needs read access to every "
+                              "GPU device file, /dev/nvidia*)")
+                continue
             except _GpuDown as e:
                 # A hardware state, not a collector failure: syncwatch_gpu_up says it.
                 up.add_metric([str(i), self._uuids.get(i, "")], 0)
@@ -215,6 +227,8 @@ class GpuCollector:
         try:
             handle = nv.nvmlDeviceGetHandleByIndex(i)
         except nv.NVMLError as e:
+            if e.value == nv.NVML_ERROR_NO_PERMISSION:
+                raise _GpuForbidden(f"nvmlDeviceGetHandleByIndex: {e}") from None
             raise _GpuDown(f"nvmlDeviceGetHandleByIndex: {e}") from None
         uuid = self._uuids.get(i)
         if uuid is None:
