@@ -47,7 +47,7 @@ def test_amtool_routes_each_severity(labels, receiver):
 
 
 @pytest.mark.skipif(AM_BINARY is None, reason="Alertmanager missing (Debian package: prometheus-alertmanager)")
-def test_stalled_job_inhibits_its_variance_alert_but_not_another_jobs():
+def test_stalled_job_inhibits_its_variance_alert_but_not_another_jobs_and_desync_its_stuck_start():
     def alert(name, job, severity):
         return {"labels": {"alertname": name, "train_job": job, "severity": severity},
                 "annotations": {"summary": name}}
@@ -55,7 +55,9 @@ def test_stalled_job_inhibits_its_variance_alert_but_not_another_jobs():
     with Alertmanager(CONFIG) as am:
         body = json.dumps([alert("SyncwatchJobStalled", "j1", "critical"),
                            alert("SyncwatchStepTimeVarianceGrowing", "j1", "critical"),
-                           alert("SyncwatchStepTimeVarianceGrowing", "j2", "critical")]).encode()
+                           alert("SyncwatchStepTimeVarianceGrowing", "j2", "critical"),
+                           alert("SyncwatchRankDesynchronized", "j3", "critical"),
+                           alert("SyncwatchJobStuckAtStart", "j3", "critical")]).encode()
         req = urllib.request.Request(am.url + "/api/v2/alerts", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
         urllib.request.urlopen(req, timeout=10).close()
@@ -63,10 +65,13 @@ def test_stalled_job_inhibits_its_variance_alert_but_not_another_jobs():
         def states():
             got = {(a["labels"]["alertname"], a["labels"]["train_job"]): a["status"]
                    for a in am.alerts()}
-            return got if len(got) == 3 and any(s["inhibitedBy"] for s in got.values()) else None
+            inhibited = sum(bool(s["inhibitedBy"]) for s in got.values())
+            return got if len(got) == 5 and inhibited == 2 else None
 
         got = wait_until(states, 15, what="alerts to be received and inhibition evaluated")
         assert got[("SyncwatchStepTimeVarianceGrowing", "j1")]["state"] == "suppressed"
         assert got[("SyncwatchStepTimeVarianceGrowing", "j1")]["inhibitedBy"]
         assert got[("SyncwatchStepTimeVarianceGrowing", "j2")]["state"] == "active"
         assert got[("SyncwatchJobStalled", "j1")]["state"] == "active"
+        assert got[("SyncwatchJobStuckAtStart", "j3")]["state"] == "suppressed"
+        assert got[("SyncwatchRankDesynchronized", "j3")]["state"] == "active"

@@ -424,6 +424,22 @@ def test_restarts_and_rerun_steps(daemon, client):
     assert value(m, "syncwatch_last_step", train_job="job-a", rank=0) == 61
 
 
+def test_a_restarted_process_before_its_first_step_has_no_step_timestamp(daemon, client):
+    """What SyncwatchJobStuckAtStart reads: a restart that hangs before its first step leaves
+    its rank reporting (rank_info, its phase) without a step timestamp, not the old process's."""
+    a0 = RankSim(identity(0, attempt=0, pid=100))
+    client.send(*(a0.step(s, 0.1) for s in range(1, 6)))
+    a1 = RankSim(identity(0, attempt=1, pid=200))
+    client.send(a1.enc.heartbeat(WALL0 + 60, 0, 0.0, "sync", 30.0, 1))
+    wait_records(daemon.url, 6)
+    m = scrape(daemon.url)
+    lab = dict(train_job="job-a", rank=0)
+    assert value(m, "syncwatch_rank_info", local_rank=0, node="node-1", gpu="", uuid="", pid=200,
+                 **lab) == 1
+    assert value(m, "syncwatch_rank_phase_elapsed_seconds", phase="sync", **lab) == 30.0
+    assert value(m, "syncwatch_last_step_timestamp_seconds", **lab) is None
+
+
 def test_a_new_process_with_a_lower_attempt_takes_over_once_the_old_one_is_gone():
     """Two resumes in one process (attempts 1, 2), then a launcher restart numbered 1: the new
     process's lower attempt is stale only while the old one could still be sending, not until

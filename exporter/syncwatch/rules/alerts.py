@@ -126,6 +126,20 @@ def progress(c: Ctx) -> list[dict]:
               f"(more than {t.stall_factor:g}x its recent step time, at least "
               f"{c.d(w.stall_min)}), yet its ranks still report. Look for a rank stuck in a "
               f"collective (SyncwatchRankDesynchronized), a hung data loader or storage."),
+        # a rank's step timestamp exists from its process's first step on: before it (a job that
+        # hangs in its start, or again after a restart) JobStalled has no time to measure from
+        alert(c, "SyncwatchJobStuckAtStart",
+              "count by (train_job) (max by (train_job, rank) (syncwatch_rank_info))\n"
+              "unless on (train_job)\n"
+              "group by (train_job) (syncwatch_last_step_timestamp_seconds)\n"
+              f"unless on (train_job)\n{checkpointing(c, 'train_job')}",
+              w.for_first_step, "critical",
+              "A train job's ranks are alive but none has completed a step since it started.",
+              f"{_num('%.0f')} rank(s) of train job {JOB} report, yet none has completed a step "
+              f"in its process for {c.d(w.for_first_step)}: the job (or its restart) hangs before "
+              f"its first step. Look for a rendezvous or first collective that never completes "
+              f"(SyncwatchRankDesynchronized), a data loader that never yields, a load or compile "
+              f"that never ends."),
         alert(c, "SyncwatchRankDesynchronized",
               with_node(
                   "  (\n    max by (train_job) (syncwatch_collective_sequence)\n"

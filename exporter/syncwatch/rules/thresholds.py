@@ -37,6 +37,7 @@ class Windows:
     for_skew: float = 15 * MINUTE
     for_coupling: float = 30 * MINUTE
     for_stall: float = 1 * MINUTE
+    for_first_step: float = 30 * MINUTE  # live ranks with no step yet (a compile, a load is slow)
     for_desync: float = 2 * MINUTE
     for_lost: float = 2 * MINUTE
     for_restarts: float = 1 * MINUTE
