@@ -60,6 +60,13 @@ def test_the_stalled_job_pages_only_the_stall(drill):
     assert set(stall.notified) == {"SyncwatchJobStalled"}
 
 
+def test_the_job_stuck_before_its_first_step_pages_only_that(drill):
+    start = drill.jobs["drill-start"]
+    assert set(start.notified) == {"SyncwatchJobStuckAtStart"}
+    # its for: 30m at the drill's time scale, counted from the ranks' first reports
+    assert start.firing["SyncwatchJobStuckAtStart"] - start.onset >= 30 * 60 * 0.05
+
+
 def test_instability_score_separates_healthy_from_degraded_on_the_real_pipeline(drill):
     s = drill.scores
     assert s["drill-healthy"] < 0.2

@@ -5,7 +5,8 @@ scrape and evaluation) -> Alertmanager (the shipped routing, fast timers) -> a w
 
 Several train jobs run at once on the same two daemons: one stays healthy, each other one runs
 healthy for ``warmup`` seconds and then gets one fault (the simulator's model reads its parameters
-on every step, so the switch happens at a known wall time). ``run_drill`` returns, per job, when
+on every step, so the switch happens at a known wall time), except a fault that is there from the
+job's start (a hang before the first step). ``run_drill`` returns, per job, when
 the fault started, when Prometheus first had each alert firing, and when the webhook received
 each notification. The end-to-end test asserts on it; benchmarks/detection_latency.py prints it.
 """
@@ -46,7 +47,7 @@ def fault_params(fault: str) -> dict:
         p = scenario_params("straggler", NODES, RANKS_PER_NODE)
         return dict(straggler_rank=p.straggler_rank, straggler_slowdown=p.straggler_slowdown,
                     straggler_from_step=0)
-    if fault == "stall":         # one rank hangs in its compute; all keep sending heartbeats
+    if fault in ("stall", "start"):  # one rank hangs in its compute; all keep sending heartbeats
         return dict(straggler_rank=min(2, world - 1), straggler_slowdown=1e5, straggler_from_step=0)
     raise ValueError(f"unknown fault {fault!r}")
 
@@ -55,7 +56,16 @@ EXPECTED = {  # fault -> the alert that must page for it
     "variance": "SyncwatchStepTimeVarianceGrowing",
     "straggler": "SyncwatchPersistentStraggler",
     "stall": "SyncwatchJobStalled",
+    "start": "SyncwatchJobStuckAtStart",
 }
+AT_START = {"start"}  # faults present from the job's start, not from the end of the warm-up
+
+
+def _scores(prom: Prometheus, job: str | None = None) -> dict[str, float]:
+    """train_job -> its instability score now (of ``job`` only, if given)."""
+    sel = "" if job is None else f'{{train_job="{job}"}}'
+    return {r["metric"]["train_job"]: float(r["value"][1])
+            for r in prom.query(f"train_job:syncwatch_instability:score{sel}")}
 
 
 def straggler_node() -> str:
@@ -79,7 +89,10 @@ class JobResult:
 class DrillResult:
     jobs: dict[str, JobResult]
     notifications: list[dict]
-    scores: dict[str, float]          # train_job -> instability score at the end
+    # train_job -> instability score when the job's fault paged (a job without a page: at the
+    # end). The score's skew growth is against the job's own earlier skew, so it fades once that
+    # baseline holds the fault's regime: read at the end, it depended on how long the drill ran.
+    scores: dict[str, float]
     duration: float
 
 
@@ -110,7 +123,7 @@ class _WebhookHandler(BaseHTTPRequestHandler):
         pass
 
 
-def run_drill(faults=("healthy", "variance", "straggler", "stall"), *, time_scale: float = 0.05,
+def run_drill(faults=("healthy", "variance", "straggler", "stall", "start"), *, time_scale: float = 0.05,
               warmup: float = 20.0, timeout: float = 150.0, seed: int = 0,
               exchange_every: int = 10, workdir: str | None = None) -> DrillResult:
     """Run the drill until every expected alert was notified (or ``timeout`` seconds).
@@ -140,13 +153,18 @@ def run_drill(faults=("healthy", "variance", "straggler", "stall"), *, time_scal
         servers.append(prom)
         targets = [{"udp": d.udp_address} for d in daemons]
         for i, job in enumerate(jobs.values()):
+            params = dict(compute_seconds=COMPUTE_SECONDS)
+            if job.fault in AT_START:
+                params.update(fault_params(job.fault))
             s = ScenarioThread("healthy", targets, NODES, RANKS_PER_NODE, seed=seed + i, job=job.job,
-                               params=dict(compute_seconds=COMPUTE_SECONDS), exchange_every=exchange_every,
-                               heartbeat_every=1.0)
+                               params=params, exchange_every=exchange_every, heartbeat_every=1.0)
             s.start()
+            if job.fault in AT_START:
+                job.onset = time.time()
             sims.append((job, s))
         onset_at = time.time() + warmup
         expected = {(EXPECTED[j.fault], j.job) for j in jobs.values() if j.fault in EXPECTED}
+        scores: dict[str, float] = {}
         deadline = time.time() + timeout
         while time.time() < deadline:
             now = time.time()
@@ -171,14 +189,15 @@ def run_drill(faults=("healthy", "variance", "straggler", "stall"), *, time_scal
                         job.notified[name] = note["at"]
                         job.notified_alerts[name] = a
                         job.receivers[name] = note["receiver"]
+                        if name == EXPECTED.get(job.fault):
+                            scores.update(_scores(prom, job.job))
             if all(name in jobs[j].notified for name, j in expected):
                 break
             for _, s in sims:
                 if s.error is not None:
                     raise RuntimeError(f"simulator failed: {s.error!r}") from s.error
             time.sleep(0.5)
-        scores = {r["metric"]["train_job"]: float(r["value"][1])
-                  for r in prom.query("train_job:syncwatch_instability:score")}
+        scores = {**_scores(prom), **scores}
         with webhook.lock:
             notes = list(webhook.received)
         return DrillResult(jobs, notes, scores, time.time() - t_start)
