@@ -88,6 +88,38 @@ def test_socket_unit_matches_the_daemon():
     assert service["Service"]["CapabilityBoundingSet"] == [""]
 
 
+def sysusers_names(path) -> tuple[set[str], set[str]]:
+    """(users, groups) a sysusers.d file creates: "u NAME" makes a user and its group."""
+    users, groups = set(), set()
+    for line in path.read_text().splitlines():
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        if fields[0] == "u":
+            users.add(fields[1])
+            groups.add(fields[1])
+        elif fields[0] == "g":
+            groups.add(fields[1])
+    return users, groups
+
+
+def test_dynamic_user_does_not_collide_with_the_sysusers_group():
+    """systemd names a DynamicUser= after User= (else the unit) and its group after Group= (else
+    the user), and refuses to start the service where that user name is a static group without
+    a static user of the same name, or the group name a static user without its group
+    (dynamic_user_realize(): "User or group with specified name already exists", 217/USER).
+    syncwatch.sysusers.conf makes the static group "syncwatch" for the senders: a dynamic user
+    named after syncwatch.service never started on a host set up as docs/deploy.md says."""
+    service = parse_unit(SYSTEMD / "syncwatch.service")["Service"]
+    assert service["DynamicUser"] == ["yes"]
+    user = service.get("User", ["syncwatch"])[-1]  # the unit's name, syncwatch.service
+    group = service.get("Group", [user])[-1]
+    users, groups = sysusers_names(SYSTEMD / "syncwatch.sysusers.conf")
+    assert user in users or user not in groups, f"dynamic user {user!r} is a static group's name"
+    assert group in groups or group not in users, f"dynamic group {group!r} is a static user's name"
+    assert parse_unit(SYSTEMD / "syncwatch.socket")["Socket"]["SocketGroup"] == ["syncwatch"]
+
+
 def test_socket_unit_sets_no_receive_buffer_because_none_lengthens_the_queue(tmp_path):
     """A Unix datagram socket holds max_dgram_qlen + 1 datagrams whatever its SO_RCVBUF, so a
     ReceiveBuffer= in the unit made no room for bursts (its comment said it did). Measured here
