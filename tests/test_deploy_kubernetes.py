@@ -195,6 +195,26 @@ def test_training_job_uses_the_daemon_socket():
     assert pod["securityContext"]["runAsGroup"] in train_pod["securityContext"]["supplementalGroups"]
 
 
+def test_training_job_labels_its_ranks_with_the_node_they_run_on(monkeypatch):
+    """A rank's node label comes from its own environment (SYNCWATCH_NODE, NODE_NAME, else the
+    host name), never from the daemon. In a pod the host name is the pod's name, so without
+    NODE_NAME from the downward API the alerts named pods ("Rank 3 on node resnet-ddp-0-x7k2p")
+    where an operator needs a node to drain, and two pods of a job on one node gave one daemon
+    (one ``instance``) two node values, which the hardware dashboard's join by instance refuses."""
+    from syncwatch.instrument.identity import node_from_env
+    job = one("Job", load_all(K8S / "examples" / "training-job.yaml"))
+    train = job["spec"]["template"]["spec"]["containers"][0]
+    downward = {"spec.nodeName": "gpu-node-17",
+                "metadata.labels['batch.kubernetes.io/job-name']": job["metadata"]["name"]}
+    env = {e["name"]: e["value"] if "value" in e else downward[e["valueFrom"]["fieldRef"]["fieldPath"]]
+           for e in train["env"]}
+    monkeypatch.setattr("socket.gethostname", lambda: "resnet-ddp-0-x7k2p")
+    assert node_from_env(env) == "gpu-node-17"
+    # the daemon's own scrape target carries the same node (ServiceMonitor: instance = node name)
+    relabel = one("ServiceMonitor")["spec"]["endpoints"][0]["relabelings"][0]
+    assert relabel["sourceLabels"] == ["__meta_kubernetes_pod_node_name"]
+
+
 def test_prometheusrules_equal_alerts():
     rules = [o for o in load_all(K8S / "prometheusrule.yaml")]
     alert_files = sorted((ROOT / "alerts").glob("*.rules.yml"))
