@@ -168,3 +168,27 @@ def test_dockerfile_is_pinned_unprivileged_and_complete():
         if line.startswith("COPY ") and "--from=" not in line:
             for source in line.split()[1:-1]:
                 assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
+
+
+def documented_docker_run() -> list[str]:
+    """The training container's ``docker run`` of docs/deploy.md, expanded by a shell on a host
+    named gpu-node-17 (``docker`` prints its arguments instead of running)."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    block = re.search(r"```sh\n(docker run .*?)\n```", text, re.S).group(1)
+    script = "hostname() { echo gpu-node-17; }\ndocker() { printf '%s\\0' \"$@\"; }\n" + block
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=10)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split("\0")[:-1]
+
+
+def test_documented_training_container_reports_the_host_as_its_node(monkeypatch):
+    """A rank labels its series with its own node name (SYNCWATCH_NODE, NODE_NAME, else the host
+    name); the daemon's --node relabels nothing. A container's host name is its id, so a training
+    container run as documented reported a new random "node" each run, and two containers on one
+    machine gave its one daemon two node values, which the hardware dashboard's join refuses."""
+    from syncwatch.instrument.identity import node_from_env
+    argv = documented_docker_run()
+    assert argv[0] == "run" and "--group-add" in argv
+    env = dict(value.split("=", 1) for flag, value in zip(argv, argv[1:]) if flag in ("-e", "--env"))
+    monkeypatch.setattr("socket.gethostname", lambda: "3f2a9c1b7e4d")  # the container's id
+    assert node_from_env(env) == "gpu-node-17", env
