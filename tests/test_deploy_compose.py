@@ -95,10 +95,80 @@ def test_services_are_least_privileged(compose):
     for name, service in doc["services"].items():
         assert service.get("read_only") is True, name
         assert service.get("cap_drop") == ["ALL"], name
-        assert not service.get("cap_add"), name
+        if service.get("cap_add"):  # only a one-shot chown of volumes, as on Kubernetes
+            assert service["cap_add"] == ["CHOWN"], name
+            assert service["entrypoint"][0] == "/bin/chown" and service["restart"] == "no", name
         assert "no-new-privileges:true" in service.get("security_opt", []), name
         assert not service.get("privileged"), name
         assert service.get("pid") != "host" and service.get("ipc") != "host", name
+
+
+# What the images used here ship, read in their Dockerfiles: the user they run as, the owner of
+# the directories a named volume is mounted on (a new volume copies the directory's owner; where
+# the image has no such directory, the volume is root's), and where they write outside volumes.
+IMAGE_USER = {"prom/prometheus": 65534, "prom/alertmanager": 65534, "grafana/grafana": 472,
+              "victoriametrics": 0, "syncwatch": 65532}
+IMAGE_DIR_OWNER = {("prom/prometheus", "/prometheus"): 65534,
+                   ("prom/alertmanager", "/alertmanager"): 65534,
+                   ("grafana/grafana", "/var/lib/grafana"): 472,
+                   ("syncwatch", "/run/syncwatch"): 65532}
+IMAGE_SCRATCH = {"victoriametrics/vmselect": ["/tmp"]}  # /tmp/searchResults, made at start
+
+
+def image_name(service: dict) -> str:
+    return service["image"].rsplit(":", 1)[0]
+
+
+def image_default(table: dict, image: str):
+    return next(v for k, v in table.items() if image == k or image.startswith(k + "/"))
+
+
+def chowned_by_init(doc: dict, service: dict, target: str) -> int | None:
+    """The uid a one-shot service this one waits for chowns ``target`` to, if any."""
+    depends = service.get("depends_on", {})
+    for name, condition in (depends.items() if isinstance(depends, dict) else []):
+        init = doc["services"][name]
+        if condition.get("condition") != "service_completed_successfully":
+            continue
+        argv = init.get("entrypoint", [])
+        if argv[:1] == ["/bin/chown"] and target in argv[2:]:
+            return int(argv[1].split(":")[0])
+    return None
+
+
+def test_named_volumes_are_writable_by_their_service(compose):
+    """vmstorage ran as 65532 on a new volume that is root's (its image has no /storage): it
+    exits at start ("cannot create lock file /storage/flock.lock: permission denied"), and
+    Alertmanager as 65532 could not write its silences and notification log to a volume that
+    is nobody's, so silences vanished with every restart."""
+    path, doc = compose
+    assert "install -d -o 65532 -g 65532 -m 0750 /run/syncwatch" in (ROOT / "Dockerfile").read_text()
+    checked = 0
+    for name, service in doc["services"].items():
+        image = "syncwatch" if "build" in service else image_name(service)
+        uid = int(str(service.get("user", image_default(IMAGE_USER, image))).split(":")[0])
+        for volume in service.get("volumes", []):
+            source, target, *mode = volume.split(":")
+            if source.startswith((".", "/")) or mode == ["ro"] or uid == 0:
+                continue
+            owner = chowned_by_init(doc, service, target)
+            if owner is None:
+                owner = IMAGE_DIR_OWNER.get((image, target), 0)
+            assert owner == uid, f"{name} runs as {uid}; its volume at {target} is {owner}'s"
+            checked += 1
+    assert checked
+
+
+def test_read_only_services_have_their_scratch_space(compose):
+    """vmselect makes /tmp/searchResults at start and exits where it cannot: with a read-only
+    root file system it needs /tmp mounted writable."""
+    path, doc = compose
+    for name, service in doc["services"].items():
+        if "build" in service:
+            continue
+        for scratch in IMAGE_SCRATCH.get(image_name(service), []):
+            writable = service.get("tmpfs", []) + [v.split(":")[1] for v in service.get("volumes", [])]
+            assert scratch in writable, f"{name}: {scratch} is read-only"
 
 
 def test_daemon_and_demo_share_the_ingest_socket():
