@@ -116,6 +116,23 @@ def test_daemonset_is_least_privileged():
     assert host_paths == {"/sys", SOCKET_DIR}
 
 
+def test_namespace_admits_the_daemons_priority_class():
+    """GKE admits pods of system-node-critical / system-cluster-critical outside kube-system only
+    where a ResourceQuota scoped to that class exists (Kubernetes' "limit priority class
+    consumption by default"): without it the DaemonSet created no pod, "insufficient quota to
+    match these scopes: [{PriorityClass In [system-node-critical system-cluster-critical]}]"."""
+    objs = kustomized_objects()
+    daemonset = one("DaemonSet", objs)
+    priority = daemonset["spec"]["template"]["spec"]["priorityClassName"]
+    quotas = [o["spec"] for o in objs if o["kind"] == "ResourceQuota"
+              and o["metadata"]["namespace"] == daemonset["metadata"]["namespace"]]
+    admitting = [q for q in quotas for e in q["scopeSelector"]["matchExpressions"]
+                 if e["scopeName"] == "PriorityClass" and e["operator"] == "In" and priority in e["values"]]
+    assert admitting, f"no ResourceQuota admits {priority} pods"
+    for quota in admitting:  # bounds no real cluster's node count, and nothing else
+        assert set(quota["hard"]) == {"pods"} and quota["hard"]["pods"] in ("1G", 1_000_000_000)
+
+
 def test_socket_dir_init_container_works_on_every_pod_start(tmp_path):
     """The init container's command, run as it runs in the pod (uid 0 with CHOWN alone), on the
     directory kubelet creates and again on the one the previous pod left (a rollout, a restart)."""
