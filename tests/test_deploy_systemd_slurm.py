@@ -75,6 +75,24 @@ def test_service_exposure_is_low(unit_dir):
     assert result.returncode == 0, result.stdout[-2000:]
 
 
+def test_nothing_keeps_nvml_from_the_gpu_devices():
+    """NVML opens /dev/nvidiactl, /dev/nvidia<N> and /dev/nvidia-uvm (/dev/nvidia-caps/* with
+    MIG): any device allow-list denies them. ProtectClock=yes implies DeviceAllow=char-rtc r, and
+    on systemd 245 to 251 (Ubuntu 22.04's 249, Debian 11's 247) that entry alone made the device
+    cgroup an allow-list: the GPU collector failed with EPERM on every GPU node there, while
+    systemd 252 here ignores it (so only the unit's text can show it)."""
+    service = parse_unit(SYSTEMD / "syncwatch.service")["Service"]
+    false = ("no", "false", "off", "0")
+    assert service.get("PrivateDevices", ["no"])[-1] in false
+    assert service.get("ProtectClock", ["no"])[-1] in false
+    assert "DeviceAllow" not in service and service.get("DevicePolicy", ["auto"]) == ["auto"]
+    # What ProtectClock= would add beyond the device list is in the unit anyway: no CAP_SYS_TIME
+    # or CAP_WAKE_ALARM, and ~@privileged denies @clock.
+    assert service["CapabilityBoundingSet"] == [""]
+    assert "~@privileged" in " ".join(service["SystemCallFilter"])
+    assert "@clock" in analyze("syscall-filter", "@privileged").stdout
+
+
 def test_socket_unit_matches_the_daemon():
     socket = parse_unit(SYSTEMD / "syncwatch.socket")
     service = parse_unit(SYSTEMD / "syncwatch.service")
