@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -91,6 +92,30 @@ def test_nothing_keeps_nvml_from_the_gpu_devices():
     assert service["CapabilityBoundingSet"] == [""]
     assert "~@privileged" in " ".join(service["SystemCallFilter"])
     assert "@clock" in analyze("syscall-filter", "@privileged").stdout
+
+
+def documented_install_commands() -> list[str]:
+    """The commands of docs/deploy.md's systemd install block, split at ``&&``, comments dropped."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    block = re.search(r"```sh\n(.*?)\n```", text[text.index("## systemd and Slurm"):], re.S).group(1)
+    return [c.strip() for line in block.splitlines() for c in line.split("#")[0].split("&&") if c.strip()]
+
+
+def test_documented_install_uses_no_system_pip_and_provides_execstart():
+    """Debian 12 and Ubuntu 23.04 on mark their Python externally managed (PEP 668): the
+    documented ``pip install syncwatch`` as root stopped at "error: externally-managed-
+    environment" (checked on this Debian 12), so nothing made ExecStart's /usr/local/bin/syncwatch
+    and the service failed with 203/EXEC. The daemon goes into a virtual environment, linked
+    where ExecStart= expects it."""
+    commands = documented_install_commands()
+    venvs = [c.split()[-1] for c in commands if c.startswith("python3 -m venv ")]
+    pips = [c for c in commands if re.search(r"\bpip3? install\b", c)]
+    assert pips
+    for command in pips:
+        assert command.split()[0] in {f"{v}/bin/pip" for v in venvs}, f"{command}: not a venv's pip"
+    execstart = shlex.split(parse_unit(SYSTEMD / "syncwatch.service")["Service"]["ExecStart"][0])[0]
+    links = [c.split()[-2:] for c in commands if c.startswith("ln -s")]
+    assert [execstart] == [dst for src, dst in links if src in {f"{v}/bin/syncwatch" for v in venvs}]
 
 
 def test_socket_unit_matches_the_daemon():
