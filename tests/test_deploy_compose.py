@@ -3,14 +3,18 @@ privilege, and the configs they mount accepted by promtool and amtool. No Docker
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
+import time
 
 import pytest
 import yaml
 
-from deploy_helpers import ROOT, compose_validator
+from deploy_helpers import ROOT, compose_validator, wait_for
 
 COMPOSE_FILES = [ROOT / "docker-compose.yml", ROOT / "deploy" / "scale-out" / "docker-compose.yml"]
 # Host paths outside the repository that the compose files mount on purpose.
@@ -185,6 +189,29 @@ def test_daemon_and_demo_share_the_ingest_socket():
     # Prometheus and Alertmanager reach the daemon on 127.0.0.1 as the native stack does.
     for name in ("syncwatch", "prometheus", "alertmanager"):
         assert services[name]["network_mode"] == "service:loopback", name
+
+
+def test_loopback_service_stops_on_sigterm_as_pid_1():
+    """`docker compose stop` sends SIGTERM to each container's PID 1 and kills it 10 s later. The
+    kernel drops a signal to a PID namespace's init that has no handler for it, so the
+    `loopback` service's bare signal.pause() ignored SIGTERM: every stop, down and restart of
+    the stack waited the full 10 s for it and ended it with SIGKILL (exit 137). Run here as PID 1
+    of a fresh PID namespace, as Docker runs it."""
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("pgrep"):
+        pytest.skip("needs root and unshare, pgrep (util-linux, procps) for a PID namespace")
+    entrypoint = load(ROOT / "docker-compose.yml")["services"]["loopback"]["entrypoint"]
+    assert entrypoint[0] == "python"
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, *entrypoint[1:]])
+    try:
+        init = wait_for(lambda: subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                               text=True).stdout.split(), 10, "the namespace's init")
+        time.sleep(0.5)  # let Python install its handler
+        os.kill(int(init[0]), signal.SIGTERM)
+        assert proc.wait(5) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_grafana_has_no_default_admin_password():
