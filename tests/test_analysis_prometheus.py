@@ -29,12 +29,13 @@ SCRAPE = 5
 
 
 def job_series(job: str, ranks: int = 4, ranks_per_node: int = 2, restarts: dict[float, int] | None = None,
-               daemon_restart: float | None = None):
+               daemon_restart: float | None = None, scrape: int = SCRAPE, step_times: bool = False):
     """Counters of one train job from T0 to T0 + SPAN; ``restarts``: {time: rerun steps}.
 
     ``daemon_restart``: the rank-0 daemon restarts then, its job counters start again from zero.
+    ``scrape``: seconds between samples; ``step_times``: with ``syncwatch_last_step_timestamp_seconds``.
     """
-    times = range(T0, T0 + SPAN + 1, SCRAPE)
+    times = range(T0, T0 + SPAN + 1, scrape)
     out = []
     for r in range(ranks):
         node = r // ranks_per_node
@@ -47,6 +48,8 @@ def job_series(job: str, ranks: int = 4, ranks_per_node: int = 2, restarts: dict
                                  ("syncwatch_samples_total", 8.0)):
             out.append((name, lab, [(t, (t - T0) * per_second) for t in times]))
         out.append(("syncwatch_phase_seconds_total", {**lab, "phase": "sync"}, [(t, (t - T0) * 0.2) for t in times]))
+        if step_times:
+            out.append(("syncwatch_last_step_timestamp_seconds", lab, [(t, t) for t in times]))
     if restarts is not None:
         lab = {"train_job": job, "instance": "10.0.0.0:9477"}
         since = [daemon_restart if daemon_restart is not None and t >= daemon_restart else -1 for t in times]
@@ -94,7 +97,8 @@ def prom(tmp_path_factory):
     series = [*job_series("steady"),
               *job_series("restarting", restarts={T0 + 302: 20, T0 + 1000: 30, T0 + 1800: 40}),
               *job_series("daemon-restart", restarts={T0 + 1000: 30, T0 + 1800: 40}, daemon_restart=T0 + 1400),
-              *moved_job_series("moved")]
+              *moved_job_series("moved"), *job_series("scraped-15s", scrape=15),
+              *job_series("scraped-30s", scrape=30, step_times=True)]
     with backfilled_prometheus(tmp_path_factory.mktemp("prom"), series) as p:
         yield p.url
 
@@ -119,6 +123,23 @@ def test_every_window_is_read_whatever_its_width(prom, span, monkeypatch, capsys
     assert d["scores"]["coupling"] == pytest.approx(0.05, rel=0.01)
     assert d["scores"]["collective_seconds"] == pytest.approx(0.15, rel=0.01)
     assert d["scores"]["straggler_concentration"] == 1.0  # the last rank arrives last every step
+
+
+@pytest.mark.parametrize(("job", "start", "end"), [
+    ("scraped-15s", T0 + 300, T0 + 1260),     # 16 s windows: most held one sample
+    ("scraped-30s", T0 + 300, T0 + 1260),     # the rank that stepped last read at its last step
+    ("scraped-30s", T0 + 1800, T0 + 3000),    # ... which is 10 minutes before the range end
+])
+def test_windows_hold_two_scrapes_whatever_the_window_asked(prom, job, start, end, monkeypatch, capsys):
+    """With the shipped 15 s scrape interval, a 16-minute range was cut into 16 s windows: all but
+    a few held a single sample, increase() read nothing there, and the job seemed to have run 128
+    steps instead of 960; at a 30 s scrape interval every window was empty and the job "completed
+    no steps (empty range)". The windows now span at least two and a half scrape intervals."""
+    d = _diagnose(monkeypatch, capsys, prom, job, start, end)
+    steps = min(end, T0 + SPAN) - start
+    assert d["steps"] == pytest.approx(steps, rel=0.03)
+    assert d["scores"]["mean_step_seconds"] == pytest.approx(1.0, rel=0.01)
+    assert d["scores"]["coupling"] == pytest.approx(0.05, rel=0.01)
 
 
 def test_project_measures_the_counters(prom, monkeypatch, capsys):

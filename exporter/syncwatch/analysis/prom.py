@@ -56,6 +56,13 @@ class Prometheus:
             raise AnalysisError(f"expected a vector from {expr!r}, got {data['resultType']}")
         return {_key(r["metric"]): [(float(r["value"][0]), _num(r["value"][1]))] for r in data["result"]}
 
+    def samples(self, expr: str, time: float) -> Series:
+        """The raw samples a range-vector selector (``metric{...}[10m]``) holds at ``time``."""
+        data = self._data("query", query=expr, time=f"{time:.3f}")
+        if data["resultType"] != "matrix":
+            raise AnalysisError(f"expected a matrix from {expr!r}, got {data['resultType']}")
+        return {_key(r["metric"]): [(float(t), _num(v)) for t, v in r["values"]] for r in data["result"]}
+
     def query_range(self, expr: str, start: float, end: float, step: float) -> Series:
         """Range query at ``start``, ``start + step``, ... (times and step in whole milliseconds).
 

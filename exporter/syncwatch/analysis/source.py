@@ -30,7 +30,7 @@ def add_source_flags(p) -> None:
     # not SYNCWATCH_WINDOW: that is the daemon's window in steps, and one exported for either
     # command would silently change the other
     cli.add_flag(p, "--window", type=float, default=15.0, env="SYNCWATCH_ANALYSIS_WINDOW",
-                 help="shortest analysis window, seconds (at least 2 scrape intervals)")
+                 help="shortest analysis window, seconds (raised to 2.5 of the job's scrape intervals)")
     cli.add_flag(p, "--input", default=None,
                  help="a recorded run (syncwatch-run/1 JSON) instead of Prometheus")
     cli.add_flag(p, "--json", action="store_true", help="print JSON instead of the summary")

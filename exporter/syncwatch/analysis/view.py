@@ -54,6 +54,9 @@ HARDWARE = {
 CONGESTION_SERIES = ("ib_xmit_wait_rate", "roce_congestion_rate")
 BYTES_SERIES = ("ib_bytes_rate", "net_bytes_rate")
 MAX_WINDOWS = 60
+# increase() needs two samples in a window: a window shorter than two scrape intervals holds one
+# in most places and reads as no steps there. Two and a half keep two whatever the scrape jitter.
+SCRAPES_PER_WINDOW = 2.5
 
 
 @dataclass
@@ -258,12 +261,7 @@ def windows(start: float, end: float, min_window: float) -> tuple[float, list[fl
 
 def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
                     min_window: float = 15.0) -> JobView:
-    width, times = windows(start, end, min_window)
-    # Prometheus evaluates on a whole-millisecond grid: windows start and last whole milliseconds,
-    # so each answer's timestamps are exactly the window ends asked for
-    start = round(start, 3)
-    width = max(1, round(width * 1000)) / 1000
-    times = [start + width * (i + 1) for i in range(len(times))]
+    windows(start, end, min_window)  # an empty range is refused before asking anything
     span = end - start
     sel = f"train_job={quote(job)}"
     info = prom.query(f"max by (rank, node, instance) (max_over_time(syncwatch_rank_info{{{sel}}}[{span:.0f}s]))", end)
@@ -280,6 +278,15 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
             if inst:
                 instance_node[inst] = node
 
+    interval = scrape_interval(prom, sel, end, span, min(rank_node)) if rank_node else None
+    if interval is not None:
+        min_window = max(min_window, SCRAPES_PER_WINDOW * interval)
+    width, times = windows(start, end, min_window)
+    # Prometheus evaluates on a whole-millisecond grid: windows start and last whole milliseconds,
+    # so each answer's timestamps are exactly the window ends asked for
+    start = round(start, 3)
+    width = max(1, round(width * 1000)) / 1000
+    times = [start + width * (i + 1) for i in range(len(times))]
     w = f"{round(width * 1000)}ms"
 
     def per_window(expr: str) -> dict:
@@ -346,6 +353,28 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
         hardware=hardware, samples_per_rank_step=samples, checkpoints=checkpoints,
         restarts_at_start=at_start["restarts"], rerun_steps_at_start=at_start["rerun_steps"],
         restarts_from_attempts=restarts_from_attempts, rerun_steps_from_steps=rerun_from_steps)
+
+
+def scrape_interval(prom: Prometheus, sel: str, end: float, span: float, rank: int | str) -> float | None:
+    """How often the job's series were scraped: the median gap between one rank's raw samples of
+    ``syncwatch_steps_total`` in the 10 minutes before its last step in the range (the rank that
+    stepped last; ``rank`` at the range end where no step time is exported), None where there
+    are not two samples to tell.
+
+    Only one rank and ten minutes are fetched: a long range at a short scrape interval holds
+    millions of samples, a few gaps tell the interval.
+    """
+    t = end
+    last = prom.query(f"max by (rank) (max_over_time(syncwatch_last_step_timestamp_seconds{{{sel}}}"
+                      f"[{span:.0f}s]))", end)
+    if last:
+        key, points = max(last.items(), key=lambda kv: kv[1][0][1])
+        if label(key, "rank") is not None and math.isfinite(points[0][1]):
+            rank, t = label(key, "rank"), min(end, points[0][1])
+    lookback = max(1, round(min(span, 600.0) * 1000))
+    res = prom.samples(f"syncwatch_steps_total{{{sel},rank={quote(str(rank))}}}[{lookback}ms]", t)
+    gaps = [b - a for pts in res.values() for (a, _), (b, _) in zip(pts, pts[1:]) if b > a]
+    return statistics.median(gaps) if gaps else None
 
 
 def nearest_per_window(points: list[tuple[float, float]], times: list[float],
