@@ -193,6 +193,28 @@ def test_topology_mismatch_when_collective_grows_without_bytes_or_congestion():
     assert f.evidence[0]["series"].endswith("(estimated: smallest mean wait, skew exchange off)")
 
 
+def test_rising_infiniband_congestion_is_not_hidden_by_flat_roce_counters():
+    """A node exporting both kinds of congestion counters (an mlx5 HCA's hw_counters): the nodes'
+    rows of both were summed under one key per node index, the RoCE rows replaced the IB ones,
+    and transmit waits tripling with the collective time read as "without rising congestion
+    counters": a topology mismatch instead of congestion."""
+    run = recorded("healthy")
+    half = len(run["steps"]) // 2
+    for s in run["steps"][half:]:
+        s["waits"] = [w + 0.06 for w in s["waits"]]
+        s["seconds"] += 0.06
+    mid = run["steps"][half]["t"]
+    nodes = [f"sim-node-{n:02d}" for n in range(4)]
+    run["hardware"] = {
+        "net_bytes_rate": {n: [[s["t"], 5e9] for s in run["steps"]] for n in nodes},
+        "ib_xmit_wait_rate": {n: [[s["t"], 3e5 if s["t"] >= mid else 1e5] for s in run["steps"]] for n in nodes},
+        "roce_congestion_rate": {n: [[s["t"], 2.0] for s in run["steps"]] for n in nodes},
+    }
+    assert "topology_mismatch" not in {f.mode for f in diagnose(recording.to_view(run, "test")).findings}
+    del run["hardware"]["ib_xmit_wait_rate"]  # the same job with only the flat counters is one
+    assert "topology_mismatch" in {f.mode for f in diagnose(recording.to_view(run, "test")).findings}
+
+
 def test_a_partial_window_holding_lagged_slack_is_not_contention():
     """Slack lands once per exchange, the waits every step: a window the job ran through only in
     part (here the range's last: one step) can hold the earlier steps' slack, so sync − slack is

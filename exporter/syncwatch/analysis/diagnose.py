@@ -424,12 +424,15 @@ def detect_topology(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
     if not (c_early and c_late and b_early and b_late):
         return []
     growth, bgrowth = c_late / c_early, b_late / b_early
-    congestion = [r for n, r in v.hardware.items() if n in CONGESTION_SERIES]
+    # each kind of congestion counter summed over nodes (their units differ: IB transmit-wait
+    # ticks, RoCE packets); any one of them rising is congestion
     cong_growth = None
-    if congestion:
-        series = _node_sum({str(i): row for rows in congestion for i, row in enumerate(rows.values())})
-        e, late = _mean(series[:half]), _mean(series[half:])
-        cong_growth = (late / e) if e else (math.inf if late else 1.0)
+    for name in CONGESTION_SERIES:
+        if v.hardware.get(name):
+            series = _node_sum(v.hardware[name])
+            e, late = _mean(series[:half]), _mean(series[half:])
+            growth_of = (late / e) if e else (math.inf if late else 1.0)
+            cong_growth = growth_of if cong_growth is None else max(cong_growth, growth_of)
     if growth < th.topology_growth or bgrowth >= th.bytes_growth or (cong_growth or 1.0) >= th.topology_growth:
         return []
     return [Finding(
