@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -256,6 +257,21 @@ def test_cli_offline_json_and_summary(tmp_path, monkeypatch, capsys):
     recording.save(recorded("healthy"), path)
     code, out, _ = run_cli(monkeypatch, capsys, ["diagnose", "--input", str(path)])
     assert code == 0 and "no structural problem found" in out
+
+
+@pytest.mark.parametrize(("flag", "lo", "hi"), [("--end", -math.inf, START + 120), ("--start", START + 120, math.inf)])
+def test_a_recorded_run_cut_at_one_end_only(tmp_path, monkeypatch, capsys, flag, lo, hi):
+    """``--end`` alone on a recorded run took the default ``--start now-1h`` with it, a start long
+    after the run: "no step ends in the time range (empty range)". A bound not given leaves the
+    run's own edge."""
+    path = tmp_path / "run.json"
+    run = recorded("straggler")
+    recording.save(run, path)
+    cut = START + 120
+    code, out, err = run_cli(monkeypatch, capsys, ["diagnose", "--input", str(path), "--json", flag, f"{cut:.0f}"])
+    assert code == 0, err
+    expected = sum(1 for s in run["steps"] if lo <= s["t"] + s["seconds"] <= hi)
+    assert 0 < expected < len(run["steps"]) and json.loads(out)["steps"] == expected
 
 
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])

@@ -46,9 +46,10 @@ def view_from_args(args) -> tuple[JobView, dict | None]:
         run = recording.load(args.input)
         if args.job and args.job != run.get("job"):
             raise AnalysisError(f"unknown train job {args.job!r}: {args.input} records {run.get('job')!r}")
-        explicit = args.start != "now-1h" or args.end != "now"
-        start = parse_time(args.start) if explicit else None
-        end = parse_time(args.end) if explicit else None
+        # a bound left at its default leaves the run's own edge: the default start (an hour ago)
+        # taken along with a given --end would lie long after a run recorded earlier
+        start = parse_time(args.start) if args.start != "now-1h" else None
+        end = parse_time(args.end) if args.end != "now" else None
         return recording.to_view(run, args.input, start, end), run
     if not args.prometheus:
         raise AnalysisError("give --prometheus URL (with --job) or --input FILE")
