@@ -124,3 +124,16 @@ def test_svg_charts_handle_gaps_and_empty_data():
     assert chart.count("<polyline") == 1 and chart.count("<circle") == 1
     assert "no data in range" in svg.line_chart("t", [0, 1], {"a": [None, None]})
     assert "&lt;b&gt;" in svg.line_chart("<b>", [0, 1], {"a": [1, 2]})
+
+
+@pytest.mark.parametrize("ys", [[-0.93, -0.97, -0.95, -0.96], [-0.5, 0.2, 0.4, -0.1], [0.1, 0.3, 0.2, 0.25]])
+def test_every_point_of_a_line_chart_lies_inside_its_frame(ys):
+    """An oscillating job's lag-1 autocorrelation is negative in every window: the y axis ran from
+    the lowest value to 1.05 x the highest, which for a negative highest is below it, so the line
+    was drawn above the frame and mostly off the image (y down to -85 in a 220-pixel chart)."""
+    chart = svg.line_chart("Lag-1 autocorrelation of step time", [0, 60, 120, 180], {"autocorrelation": ys})
+    top, bottom = svg.MT, svg.H - svg.MB
+    (points,) = re.findall(r'<polyline[^>]* points="([^"]*)"', chart)
+    heights = [float(p.split(",")[1]) for p in points.split()]
+    assert all(top <= y <= bottom for y in heights), heights
+    assert len(set(heights)) > 1  # the line still shows its variation

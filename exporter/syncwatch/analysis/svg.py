@@ -48,10 +48,12 @@ def line_chart(title: str, xs: list[float], series: dict[str, list[float | None]
     lo_x, hi_x = fx(min(xv)), fx(max(xv))
     if hi_x == lo_x:
         hi_x = lo_x + 1
-    lo_y, hi_y = min(0.0, min(pts_all)), max(pts_all)
+    # the axis holds 0 and every value, with a 5 % margin above (for negative values too: an
+    # oscillating job's autocorrelation is below 0 in every window)
+    lo_y, hi_y = min(0.0, min(pts_all)), max(0.0, max(pts_all))
     if hi_y == lo_y:
         hi_y = lo_y + 1
-    hi_y *= 1.05
+    hi_y += 0.05 * (hi_y - lo_y)
     pw, ph = W - ML - MR, H - MT - MB
 
     def px(x):
