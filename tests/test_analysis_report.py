@@ -137,3 +137,13 @@ def test_every_point_of_a_line_chart_lies_inside_its_frame(ys):
     heights = [float(p.split(",")[1]) for p in points.split()]
     assert all(top <= y <= bottom for y in heights), heights
     assert len(set(heights)) > 1  # the line still shows its variation
+
+
+def test_long_node_names_stay_apart_in_a_legend():
+    """The legend kept a name's first 20 characters: GKE nodes of one pool share their first 26,
+    so every line of a per-node hardware chart carried the same name."""
+    nodes = ["gke-train-a3-pool-7f3c9a1b-2x4k", "gke-train-a3-pool-7f3c9a1b-9qz2"]
+    chart = svg.line_chart("GPU temperature", [0, 60], {n: [70.0, 71.0] for n in nodes})
+    shown = re.findall(r'stroke-width="2"/><text [^>]*>([^<]*)', chart)
+    assert len(shown) == 2 and shown[0] != shown[1] and all(len(name) <= 20 for name in shown)
+    assert all(f"<title>{n}</title>" in chart for n in nodes)  # the whole name on hover

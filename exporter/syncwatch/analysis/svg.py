@@ -91,9 +91,19 @@ def line_chart(title: str, xs: list[float], series: dict[str, list[float | None]
                 parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{" ".join(seg)}"/>')
         ly = MT + 10 + 14 * i
         parts.append(f'<line x1="{W - MR + 8}" x2="{W - MR + 22}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"/>'
-                     f'<text x="{W - MR + 26}" y="{ly + 4}" font-size="10">{escape(name[:20])}</text>')
+                     f'<text x="{W - MR + 26}" y="{ly + 4}" font-size="10">{escape(_short(name))}'
+                     f'<title>{escape(name)}</title></text>')
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _short(name: str, width: int = 20) -> str:
+    """A legend entry that fits the margin: a long name keeps its start and its end, where node
+    names differ (``gke-train-a3-pool-7f3c9a1b-2x4k`` and ``...-9qz2`` share their first 26)."""
+    if len(name) <= width:
+        return name
+    tail = (width - 1) // 2 + 1
+    return name[:width - 1 - tail] + "…" + name[-tail:]
 
 
 def heatmap(title: str, row_labels: list[str], matrix: list[list[float | None]], *,
