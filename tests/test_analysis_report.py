@@ -147,3 +147,19 @@ def test_long_node_names_stay_apart_in_a_legend():
     shown = re.findall(r'stroke-width="2"/><text [^>]*>([^<]*)', chart)
     assert len(shown) == 2 and shown[0] != shown[1] and all(len(name) <= 20 for name in shown)
     assert all(f"<title>{n}</title>" in chart for n in nodes)  # the whole name on hover
+
+
+@pytest.mark.parametrize(("job", "name"), [("team/llm-7b", "syncwatch-report-team_llm-7b.html"),
+                                           ("../../llm", "syncwatch-report-.._.._llm.html")])
+def test_the_default_output_stays_in_the_current_directory(report_file, tmp_path, monkeypatch, capsys, job, name):
+    """A train job named ``team/llm-7b`` made the default output a file in a directory
+    ``syncwatch-report-team`` that is not there: "cannot write --output", though none was given."""
+    run = json.loads(report_file[1].read_text())
+    run["job"] = job
+    recording.save(run, tmp_path / "run.json")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    code, out, err = run_cli(monkeypatch, capsys, ["report", "--input", str(tmp_path / "run.json"), "--json"])
+    assert code == 0, err
+    assert json.loads(out)["output"] == name and [p.name for p in (tmp_path / "cwd").iterdir()] == [name]
+    assert f"syncwatch report: {job}" in (tmp_path / "cwd" / name).read_text()

@@ -9,6 +9,7 @@ nothing from the network.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from html import escape
 from pathlib import Path
@@ -189,15 +190,23 @@ def register(subparsers) -> None:
                               description="Write an HTML report (diagnosis, scores, straggler map, hardware, "
                                           "projection) that opens without network access.")
     add_source_flags(p)
-    cli.add_flag(p, "--output", default=None, help="HTML file to write (default: syncwatch-report-JOB.html)")
+    cli.add_flag(p, "--output", default=None,
+                 help="HTML file to write (default: syncwatch-report-JOB.html in the current directory, "
+                      "characters of the job's name other than letters, digits and . _ - as _)")
     p.set_defaults(func=run)
+
+
+def default_output(job: str) -> str:
+    """``syncwatch-report-JOB.html`` in the current directory, whatever the train job's name holds
+    (a ``/`` in ``team/llm-7b`` named a directory ``syncwatch-report-team`` that is not there)."""
+    return f"syncwatch-report-{re.sub(r'[^A-Za-z0-9._-]', '_', job)}.html"
 
 
 @command("report")
 def run(args) -> int:
     view, run_data = view_from_args(args)
     html, summary = build(view, run_data)
-    out = Path(args.output or f"syncwatch-report-{view.job}.html")
+    out = Path(args.output or default_output(view.job))
     try:
         out.write_text(html, encoding="utf-8")
     except OSError as e:
