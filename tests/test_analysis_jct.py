@@ -244,6 +244,12 @@ def test_summary_names_the_figures(monkeypatch, capsys):
       "--grad-bytes", "1G", "--checkpoint-interval", "inf"], "--checkpoint-interval must be a positive number"),
     (["--nodes", "4", "--sustained-tflops", "100", "--flops", "1e20", "--steps", "10",
       "--params", "1G", "--grad-dtype-bytes", "0"], "--grad-dtype-bytes must be positive"),
+    # the sweep ran to 4 nodes only: "sync wall not reached up to 4 nodes", with the time predicted
+    # there, longer than the job's own on its 16; a negative count swept 1 node
+    (["--nodes", "16", "--sustained-tflops", "100", "--flops", "1e20", "--steps", "10",
+      "--grad-bytes", "1G", "--max-nodes", "4"], "--max-nodes 4 is below --nodes 16"),
+    (["--nodes", "16", "--sustained-tflops", "100", "--flops", "1e20", "--steps", "10",
+      "--grad-bytes", "1G", "--max-nodes", "-3"], "--max-nodes -3 is below --nodes 16"),
 ])
 def test_bad_input_exits_2_with_a_clear_message(monkeypatch, capsys, argv, message):
     code, out, err = run_cli(monkeypatch, capsys, ["jct", *argv])

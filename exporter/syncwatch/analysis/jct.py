@@ -125,6 +125,9 @@ class JobSpec:
                      "t_catchup", "jitter_cv", "nvlink_latency_us", "net_latency_us"):
             if getattr(self, name) < 0:
                 raise AnalysisError(f"--{name.replace('_', '-')} must not be negative")
+        if self.max_nodes is not None and self.max_nodes < self.nodes:
+            raise AnalysisError(f"--max-nodes {self.max_nodes} is below --nodes {self.nodes} (the sync-wall "
+                                "sweep compares the job's node count with the others up to it)")
         if not 0 <= self.overlap <= 1:
             raise AnalysisError("--overlap is a fraction between 0 and 1")
         if self.gpus_per_node % self.tp:
