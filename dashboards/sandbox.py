@@ -110,7 +110,7 @@ class Sandbox:
                     if job.hardware:
                         extra = (hardware[job.train_job].nodes[n].collectors(self.scrape_interval / 2),)
                     sock = str(self.workdir / f"{len(self.daemons)}.sock")
-                    config = DaemonConfig(listen="127.0.0.1:0", socket=sock, node=job.node(n))
+                    config = DaemonConfig(listen="127.0.0.1:0", socket=sock)
                     daemon = DaemonThread(config, extra_collectors=extra)
                     running = daemon.start()
                     self.daemons.append(daemon)

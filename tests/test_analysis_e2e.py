@@ -39,9 +39,9 @@ HARDWARE = ("thermal", "congestion")  # scenarios on their own daemons with simu
 WITHOUT_EXCHANGE = ("healthy", "straggler")  # also run with the skew exchange off, as NAME-k0
 
 
-def _daemon(node: str, extra=()):
+def _daemon(extra=()):
     return daemon_app.DaemonThread(daemon_config.DaemonConfig(
-        listen="127.0.0.1:0", socket=None, udp="127.0.0.1:0", node=node), extra_collectors=extra)
+        listen="127.0.0.1:0", socket=None, udp="127.0.0.1:0"), extra_collectors=extra)
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +49,9 @@ def cluster():
     """Run every scenario through real daemons into one real Prometheus; yield (url, {name: (start, end)})."""
     hardware = {name: hardware_mod.SimulatedHardware(NODES, RANKS_PER_NODE, f"e2e-{name}-node-",
                                                      period=0.1) for name in HARDWARE}  # ticks << windows
-    daemons = {None: [_daemon(f"sim-node-{n:02d}") for n in range(NODES)]}
+    daemons = {None: [_daemon() for _ in range(NODES)]}
     for name, hw in hardware.items():
-        daemons[name] = [_daemon(node.node, (node.collectors(SCRAPE / 2),)) for node in hw.nodes]
+        daemons[name] = [_daemon((node.collectors(SCRAPE / 2),)) for node in hw.nodes]
     running = {k: [x.start() for x in ds] for k, ds in daemons.items()}
     prom = Prometheus([r.url.split("//", 1)[1] for rs in running.values() for r in rs],
                       scrape_interval=f"{int(SCRAPE * 1000)}ms")

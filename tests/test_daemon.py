@@ -29,7 +29,7 @@ from syncwatch.sender import Sender
 
 
 def config(sock_path, **kw) -> DaemonConfig:
-    return DaemonConfig(listen="127.0.0.1:0", socket=sock_path, node="test-node", **kw)
+    return DaemonConfig(listen="127.0.0.1:0", socket=sock_path, **kw)
 
 
 @pytest.fixture

@@ -14,14 +14,13 @@ from syncwatch.cli import build_parser
 def compose_commands():
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     for name in ("syncwatch", "demo"):
-        yield f"compose {name}", [a.replace("${SYNCWATCH_NODE:-localhost}", "localhost")
-                                  for a in services[name]["command"]]
+        yield f"compose {name}", list(services[name]["command"])
 
 
 def kubernetes_commands():
     daemonset = load_all(ROOT / "deploy" / "kubernetes" / "daemonset.yaml")[0]
     args = daemonset["spec"]["template"]["spec"]["containers"][0]["args"]
-    yield "kubernetes daemonset", [a.replace("$(NODE_NAME)", "node-1") for a in args]
+    yield "kubernetes daemonset", list(args)
 
 
 def systemd_commands():

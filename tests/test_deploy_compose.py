@@ -280,7 +280,7 @@ def documented_docker_run() -> list[str]:
 
 def test_documented_training_container_reports_the_host_as_its_node(monkeypatch):
     """A rank labels its series with its own node name (SYNCWATCH_NODE, NODE_NAME, else the host
-    name); the daemon's --node relabels nothing. A container's host name is its id, so a training
+    name); the daemon relabels nothing. A container's host name is its id, so a training
     container run as documented reported a new random "node" each run, and two containers on one
     machine gave its one daemon two node values, which the hardware dashboard's join refuses."""
     from syncwatch.instrument.identity import node_from_env

@@ -213,9 +213,9 @@ def test_environment_file_configures_the_daemon(monkeypatch):
     args = daemon_args_under_systemd(monkeypatch, {})
     assert (args.listen, args.socket) == ("127.0.0.1:9477", "/run/syncwatch/ingest.sock")
     args = daemon_args_under_systemd(monkeypatch, {"SYNCWATCH_LISTEN": "10.0.0.5:9477",
-                                                   "SYNCWATCH_NODE": "gpu-017",
+                                                   "SYNCWATCH_MAX_RANKS": "64",
                                                    "SYNCWATCH_SOCKET": "/tmp/elsewhere.sock"})
-    assert (args.listen, args.node) == ("10.0.0.5:9477", "gpu-017")
+    assert (args.listen, args.max_ranks) == ("10.0.0.5:9477", 64)
     assert args.socket == parse_unit(SYSTEMD / "syncwatch.socket")["Socket"]["ListenDatagram"][0]
 
 

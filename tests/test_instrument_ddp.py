@@ -89,7 +89,7 @@ def every_window_in(m: Metrics, job: str, steps: int) -> bool:
 
 @pytest.fixture
 def daemon(sock_path):
-    d = daemon_app.DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=sock_path, node="n1"))
+    d = daemon_app.DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=sock_path))
     running = d.__enter__()
     yield running
     d.__exit__(None, None, None)
@@ -204,7 +204,7 @@ def test_results_identical_with_daemon_absent_killed_and_restarted(sock_path, tm
     outs = {k: tmp_path / k for k in ("plain", "absent", "restarted")}
     for o in outs.values():
         o.mkdir()
-    config = DaemonConfig(listen="127.0.0.1:0", socket=sock_path, node="n1")
+    config = DaemonConfig(listen="127.0.0.1:0", socket=sock_path)
     first = daemon_app.DaemonThread(config)
     second = daemon_app.DaemonThread(config)
     d = first.__enter__()

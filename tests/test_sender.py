@@ -14,7 +14,7 @@ from syncwatch.sender import Sender
 
 
 def config(path: str) -> DaemonConfig:
-    return DaemonConfig(listen="127.0.0.1:0", socket=path, node="test-node")
+    return DaemonConfig(listen="127.0.0.1:0", socket=path)
 
 
 def test_daemon_absent_never_raises_and_counts_drops(sock_path):

@@ -34,8 +34,7 @@ def cluster():
 
     def start(nodes: int, **config):
         for n in range(nodes):
-            cfg = DaemonConfig(listen="127.0.0.1:0", socket=os.path.join(d, f"n{n}.sock"),
-                               node=node_name(PREFIX, n), **config)
+            cfg = DaemonConfig(listen="127.0.0.1:0", socket=os.path.join(d, f"n{n}.sock"), **config)
             daemon = DaemonThread(cfg)
             daemon.start()
             started.append(daemon)

@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import math
-import socket
-from dataclasses import dataclass, field
-
-
-def _hostname() -> str:
-    return socket.gethostname()
+from dataclasses import dataclass
 
 
 @dataclass
@@ -16,7 +11,6 @@ class DaemonConfig:
     listen: str = "127.0.0.1:9477"          # host:port for /metrics and /healthz; port 0 = pick a free one
     socket: str | None = "/run/syncwatch/ingest.sock"  # Unix datagram ingest; None = off
     udp: str | None = None                  # "127.0.0.1:9478" = also ingest UDP on loopback; None = off
-    node: str = field(default_factory=_hostname)  # this node's name (records carry their own node label)
     window: int = 100                       # rolling window W (steps) for step CV / lag-1 autocorrelation
     rank_ttl: float = 60.0                  # seconds without any record before a rank is removed
     job_grace: float = 120.0                # seconds a job's series stay after its end record

@@ -27,7 +27,6 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(p, "--socket", default=d["socket"].default,
              help="Unix datagram ingest socket path (empty: off)")
     add_flag(p, "--udp", default="", help="also ingest UDP on this host:port, e.g. 127.0.0.1:9478 (empty: off)")
-    add_flag(p, "--node", default=None, help="this node's name (default: the host name)")
     add_flag(p, "--window", type=int, default=d["window"].default,
              help="rolling window W in steps for step CV and lag-1 autocorrelation")
     add_flag(p, "--rank-ttl", type=float, default=d["rank_ttl"].default,
@@ -45,12 +44,9 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
-    kw = dict(listen=args.listen, socket=args.socket or None, udp=args.udp or None,
-              window=args.window, rank_ttl=args.rank_ttl, job_grace=args.job_grace,
-              max_ranks=args.max_ranks, max_jobs=args.max_jobs)
-    if args.node:
-        kw["node"] = args.node
-    return DaemonConfig(**kw)
+    return DaemonConfig(listen=args.listen, socket=args.socket or None, udp=args.udp or None,
+                        window=args.window, rank_ttl=args.rank_ttl, job_grace=args.job_grace,
+                        max_ranks=args.max_ranks, max_jobs=args.max_jobs)
 
 
 async def serve(config: DaemonConfig, extra_collectors: Sequence = ()) -> None:

@@ -140,8 +140,7 @@ def run_drill(faults=("healthy", "variance", "straggler", "stall", "start"), *, 
     jobs = {f"drill-{f}": JobResult(f, f"drill-{f}") for f in faults}
     try:
         for n in range(NODES):
-            d = DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=None, udp="127.0.0.1:0",
-                                          node=f"sim-node-{n:02d}"))
+            d = DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=None, udp="127.0.0.1:0"))
             d.start()
             daemons.append(d)
         am = Alertmanager(alertmanager_config_for_test(am_base, webhook.url), workdir=str(work / "am"))

@@ -143,8 +143,7 @@ def _run(args) -> int:
         for n in range(0 if args.send_to else args.nodes):
             port = args.base_port + n if args.base_port else 0
             config = DaemonConfig(listen=f"{args.listen_host}:{port}",
-                                  socket=os.path.join(sock_dir, f"node{n:02d}.sock"),
-                                  node=node_name(NODE_PREFIX, n))
+                                  socket=os.path.join(sock_dir, f"node{n:02d}.sock"))
             d = DaemonThread(config, extra_collectors=(hardware.nodes[n].collectors(1.0),) if hardware else ())
             try:
                 d.start()
