@@ -116,6 +116,13 @@ def test_daemonset_is_least_privileged():
     assert host_paths == {"/sys", SOCKET_DIR}
 
 
+def test_daemonset_tolerates_every_taint():
+    """Only nvidia.com/gpu:NoSchedule was tolerated: a GPU pool with another taint (a team's
+    dedicated=..., NoExecute) had no daemon, and so no syncwatch series at all."""
+    tolerations = one("DaemonSet")["spec"]["template"]["spec"]["tolerations"]
+    assert {"operator": "Exists"} in tolerations
+
+
 def test_namespace_admits_the_daemons_priority_class():
     """GKE admits pods of system-node-critical / system-cluster-critical outside kube-system only
     where a ResourceQuota scoped to that class exists (Kubernetes' "limit priority class

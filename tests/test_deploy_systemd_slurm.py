@@ -219,6 +219,14 @@ def test_environment_file_configures_the_daemon(monkeypatch):
     assert args.socket == parse_unit(SYSTEMD / "syncwatch.socket")["Socket"]["ListenDatagram"][0]
 
 
+def test_the_daemon_starts_once_the_network_is_online():
+    """SYNCWATCH_LISTEN may name the node's address, which does not exist before the network is
+    online: with After=network.target the daemon could start first and fail to bind."""
+    unit = parse_unit(SYSTEMD / "syncwatch.service")["Unit"]
+    assert "network-online.target" in unit["Wants"][0].split()
+    assert "network-online.target" in unit["After"][0].split()
+
+
 def task_prolog(**env) -> list[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SYNCWATCH_"))}
     result = subprocess.run(["sh", str(ROOT / "deploy" / "slurm" / "task-prolog.sh")],
