@@ -245,6 +245,25 @@ def test_a_restart_in_the_first_window_is_in_range():
     assert [f.mode for f in d.findings] == ["checkpoint_restart"]
 
 
+def test_the_mtbf_counts_the_time_the_job_ran_not_the_range_around_it():
+    """A range begun long before the job (the default hour, a job 20 minutes old) divided the
+    whole range by the restarts: the MTBF, and Young's checkpoint interval from it, read long."""
+    run = recorded("restarts")
+    first, last = run["steps"][0], run["steps"][-1]
+    ran = last["t"] + last["seconds"] - first["t"]
+
+    def mtbf(start):
+        d = diagnose(recording.to_view(run, "test", start, last["t"] + last["seconds"]))
+        (f,) = [f for f in d.findings if f.mode == "checkpoint_restart"]
+        reading = next(e["reading"] for e in f.evidence if "observed MTBF" in e["reading"])
+        return float(reading.split("observed MTBF ")[1].split(" min")[0]), d.scores["restarts"]
+
+    minutes, restarts = mtbf(first["t"])
+    assert minutes == pytest.approx(ran / restarts / 60, abs=0.1)
+    longer, again = mtbf(first["t"] - 3 * ran)  # coarser windows: the job's edges within one
+    assert again == restarts and longer == pytest.approx(minutes, rel=0.05)
+
+
 def test_cli_offline_json_and_summary(tmp_path, monkeypatch, capsys):
     path = tmp_path / "run.json"
     recording.save(recorded("restarts"), path)

@@ -459,7 +459,9 @@ def detect_restarts(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
     if restarts <= 0 and rerun <= 0:
         return []
     steps = s["steps"] or 0.0
-    span = v.end - v.start
+    # failures per running time: a range begun before the job (the default hour) read the MTBF,
+    # and so Young's interval, long by the time the job was not yet running
+    span = v.running_seconds
     evidence = [{"series": "syncwatch_job_restarts_total, syncwatch_job_attempt", "value": restarts,
                  "reading": f"{restarts:.0f} restart(s) in {span / 60:.1f} min"},
                 {"series": "syncwatch_job_rerun_steps_total, syncwatch_steps_total - syncwatch_last_step",

@@ -106,6 +106,15 @@ class JobView:
         rows = [self.rows(name).get(rank, [])] if rank is not None else self.rows(name).values()
         return sum(v for row in rows for v in row if v is not None and math.isfinite(v))
 
+    @property
+    def running_seconds(self) -> float:
+        """From the start of the first window with a step to the end of the last one: the part of
+        the range the job ran (its restarts' downtime included), not the time around it."""
+        active = [i for i, n in enumerate(self.window_sum("steps")) if n > 0]
+        if not active:
+            return self.end - self.start
+        return self.times[active[-1]] - max(self.start, self.times[active[0]] - self.window)
+
     def window_sum(self, name: str) -> list[float]:
         out = [0.0] * len(self.times)
         for row in self.rows(name).values():
