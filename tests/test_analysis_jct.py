@@ -264,6 +264,15 @@ def test_bad_config_file_exits_2(tmp_path, monkeypatch, capsys):
     assert code == 2 and "unknown key 'warp_drive'" in err
     code, _, err = run_cli(monkeypatch, capsys, ["jct", "--config", str(tmp_path / "missing.yaml")])
     assert code == 2 and "cannot read --config" in err
+    # a count as a fraction or a boolean was truncated (128.5 nodes -> 128, true -> 1)
+    for text, message in (("nodes: 128.5\n", "nodes: 128.5 is not an integer"),
+                          ("nodes: true\n", "nodes: True is not an integer")):
+        bad.write_text(text + "sustained_tflops: 400\n")
+        code, _, err = run_cli(monkeypatch, capsys, ["jct", "--config", str(bad)])
+        assert code == 2 and message in err, err
+    bad.write_text("nodes: 1.28e+2\nsustained_tflops: 400\nparams: 70e9\ntokens: 2e12\n"
+                   "batch_tokens: 4e6\nseq_len: 4096\n")
+    assert run_cli(monkeypatch, capsys, ["jct", "--config", str(bad)])[0] == 0
 
 
 def test_a_job_failing_faster_than_it_recovers_cannot_finish(monkeypatch, capsys):

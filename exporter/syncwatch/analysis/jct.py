@@ -422,7 +422,7 @@ def spec_from_args(args) -> JobSpec:
             if dest in given:
                 continue
             try:
-                values[dest] = None if raw is None else types[dest](raw)
+                values[dest] = None if raw is None else _from_config(types[dest], raw)
             except (TypeError, ValueError) as e:
                 raise AnalysisError(f"{args.config}: {key}: {e}") from None
     for required in ("nodes", "sustained_tflops"):
@@ -430,6 +430,15 @@ def spec_from_args(args) -> JobSpec:
             raise AnalysisError(f"--{required.replace('_', '-')} is required (flag, environment or --config)")
     known = {f.name for f in fields(JobSpec)}
     return JobSpec(**{k: v for k, v in values.items() if k in known})
+
+
+def _from_config(typ, raw):
+    """A config file's value as its flag's type would read it. ``int(128.5)`` is 128 and
+    ``int(True)`` 1: a count given as a fraction or a boolean was silently truncated, where the
+    same value as a flag is refused. A whole float (``1.0e+6``) is still a count."""
+    if isinstance(raw, bool) or (typ is int and isinstance(raw, float) and not raw.is_integer()):
+        raise ValueError(f"{raw!r} is not {'an integer' if typ is int else 'a number'}")
+    return typ(raw)
 
 
 def load_config(path: str) -> dict:
