@@ -156,7 +156,13 @@ def progress(c: Ctx) -> list[dict]:
         alert(c, "SyncwatchRankLost",
               f"(\n  max by (train_job, rank, node) (max_over_time(syncwatch_rank_info[{c.d(w.lost_lookback)}]))\n"
               f"  unless on (train_job, rank)\n  syncwatch_rank_info\n)\n"
-              f"and on (train_job)\ngroup by (train_job) (syncwatch_rank_info)",
+              f"and on (train_job)\ngroup by (train_job) (syncwatch_rank_info)\n"
+              # a job whose every rank of its current world reports lost none: the ranks gone
+              # are an earlier, larger world's (an elastic job that shrank), which had paged
+              # for the whole lookback
+              f"unless on (train_job)\n"
+              f"(\n  count by (train_job) (max by (train_job, rank) (syncwatch_rank_info))\n"
+              f"  >= on (train_job)\n  max by (train_job) (syncwatch_job_world_size)\n)",
               w.for_lost, "critical",
               "A rank of a running train job stopped reporting.",
               f"Rank {RANK} of train job {JOB}, last seen on node {NODE}, stopped reporting "
