@@ -133,6 +133,24 @@ def test_slack_arrives_window_by_window(receivers, seconds, expected):
     assert changes == expected
 
 
+def test_records_are_exact_only_once_the_attempts_first_window_is_exchanged(receivers):
+    """As the real monitor: a record says exact (the daemon then exports slack and last arrivals,
+    and the rules leave their fallback) and rank 0's carries the skew histogram only from the
+    attempt's first exchange result on; a new process starts over."""
+    rx = receivers(1)
+    truth = run_scenario("restarts", nodes=1, ranks_per_node=2, steps=200,
+                         sockets=[rx[0].path], start_wall=START, exchange_every=50)
+    rx[0].wait_for(truth.records_sent)
+    for rank in (0, 1):
+        steps = [rec for rec in by_kind(rx, StepRecord) if rec.identity.rank == rank]
+        for attempt, n in ((0, 130), (1, 70)):
+            mine = [rec for rec in steps if rec.identity.attempt == attempt]
+            assert len(mine) == n
+            assert [rec.exact for rec in mine] == [False] * 49 + [True] * (n - 49)
+            assert [rec.skew is not None for rec in mine] == (
+                [False] * 49 + [True] * (n - 49) if rank == 0 else [False] * n)
+
+
 def test_restarts_change_attempt_pid_and_step_numbers(receivers):
     rx = receivers(2)
     truth = run_scenario("restarts", nodes=2, ranks_per_node=2, steps=400,

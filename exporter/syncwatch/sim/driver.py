@@ -7,9 +7,11 @@ step with the step's values and the rank's cumulative counters, heartbeats every
 exact skew exchange runs every ``exchange_every`` steps with ``skew.derive`` on the MIN/MAX of the
 ranks' waits over the window, exactly as the real exchange does (with its windows after the first
 sized by ``skew.window_size`` for ``exchange_seconds``); global rank 0 carries the
-``SkewAccumulator`` histogram. The exchange of the window that a run's last step completes runs
-before that step's records go out, so a finished run reports every step's slack; a crash (restart)
-loses the partial window, as a real crash does.
+``SkewAccumulator`` histogram. As in the real monitor, a process's records say ``exact`` (and
+rank 0's carry the histogram) only from its first exchange result on: before it, the daemon
+exports no slack or last arrivals and the rules use their fallbacks. The exchange of the window
+that a run's last step completes runs before that step's records go out, so a finished run
+reports every step's slack; a crash (restart) loses the partial window, as a real crash does.
 
 Clocks: ``fast=True`` runs on a virtual clock (no sleeping; wall times are ``start_wall`` + virtual
 seconds, so a fixed ``start_wall`` makes every record deterministic) and sends in strict order: a
@@ -166,6 +168,7 @@ class Driver:
         self.exchange_seconds = exchange_seconds
         self.K = exchange_every  # the next window's size, set again by each attempt's first
         self._sized = False
+        self._exact = False      # this attempt's first exchange is done
         self.heartbeat_every = heartbeat_every
         self.start_wall = time.time() if start_wall is None else start_wall
         self.keep_steps = keep_steps
@@ -204,6 +207,7 @@ class Driver:
             self.ranks.append(_Rank(ident, target, self.retry_seconds))
         self._window_steps = []
         self.K, self._sized = self.exchange_every, False  # new processes: K, then sized again
+        self._exact = False
         self.truth.skew_histogram = SkewAccumulator()
         self.truth.reported = [r.totals() for r in self.ranks]
         self.truth.attempt = attempt
@@ -305,8 +309,9 @@ class Driver:
             self._window_steps.append(s)
             if len(self._window_steps) == self.K or last:
                 self._exchange()
-        skew = truth.skew_histogram.snapshot() if self.K else None
-        exact = self.K > 0
+        # as the real monitor: not exact, and no skew histogram, until the first result is back
+        exact = self._exact
+        skew = truth.skew_histogram.snapshot() if exact else None
         for i, r in enumerate(self.ranks):
             totals = r.totals()
             truth.reported[i] = totals
@@ -340,6 +345,7 @@ class Driver:
                 for k in res.skews:
                     self.truth.skew_histogram.observe(k)
         self._window_steps = []
+        self._exact = True
         if not self._sized:
             self._sized = True
             self.K = window_size(statistics.median(s.step_seconds for s in window),
