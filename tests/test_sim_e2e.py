@@ -138,6 +138,24 @@ def test_restarts_reach_the_job_series(cluster):
     assert value(sm, "syncwatch_steps_total", train_job=job, rank=0) == truth.reported[0].steps == 110
     pids = {dict(k[1])["pid"] for k in sm if k[0] == "syncwatch_rank_info"}
     assert pids == {str(100_000 + 2 * 65_536 + r) for r in (0, 1)}
+    # the truth's CV is the daemon's: the current processes' steps, checkpoints (300, 350) not
+    # counted as jitter; with them it read ~7x the exported value
+    for rank in (0, 1):
+        lab = dict(train_job=job, rank=rank)
+        assert value(sm, "syncwatch_step_cv", **lab) == pytest.approx(truth.cv(100), rel=1e-9)
+        assert value(sm, "syncwatch_step_autocorrelation", **lab) == pytest.approx(
+            truth.autocorrelation(100), rel=1e-9)
+
+
+def test_truths_window_is_the_daemons_after_a_restart(cluster):
+    """After a restart the daemon's window holds only the new processes' steps after their first:
+    31 steps into attempt 1 (steps 101..131), 30 of them, none of attempt 0's."""
+    daemons = cluster(1)
+    truth, scraped = run_through(daemons, "restarts", 1, 2, 161)
+    assert truth.attempt == 1
+    sm = scraped[0]
+    assert value(sm, "syncwatch_step_cv", train_job=truth.job, rank=1) == pytest.approx(
+        truth.cv(100), rel=1e-9)
 
 
 def normalize(text: str) -> str:

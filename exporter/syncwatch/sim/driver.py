@@ -57,6 +57,9 @@ class GroundTruth:
     recent_step_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1000))
     recent_last_arrival: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1000))
     recent_skew: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1000))
+    # what the daemons' per-rank windows hold: this attempt's step times after its processes'
+    # first step (their warm-up), each less its checkpoint time (a planned pause, not jitter)
+    window_step_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1000))
     slack_seconds: list[float] = field(default_factory=list)   # per rank, all steps (model truth)
     last_arrivals: list[int] = field(default_factory=list)     # per rank, all steps (model truth)
     reported: list[Cumulative] = field(default_factory=list)   # per rank: totals in its last record
@@ -74,10 +77,11 @@ class GroundTruth:
 
     def cv(self, window: int = 100) -> float:
         """Step-time CV over the last ``window`` steps (what a daemon's ``syncwatch_step_cv`` shows)."""
-        return step_cv(list(self.recent_step_seconds)[-window:])
+        return step_cv(list(self.window_step_seconds)[-window:])
 
     def autocorrelation(self, window: int = 100) -> float:
-        return lag1_autocorrelation(list(self.recent_step_seconds)[-window:])
+        """Lag-1 autocorrelation, as ``cv`` (a daemon's ``syncwatch_step_autocorrelation``)."""
+        return lag1_autocorrelation(list(self.window_step_seconds)[-window:])
 
     @property
     def rerun_steps(self) -> int:
@@ -209,6 +213,8 @@ class Driver:
         self.K, self._sized = self.exchange_every, False  # new processes: K, then sized again
         self._exact = False
         self.truth.skew_histogram = SkewAccumulator()
+        self.truth.window_step_seconds.clear()  # a new process: the daemons start a new window
+        self._process_steps = 0
         self.truth.reported = [r.totals() for r in self.ranks]
         self.truth.attempt = attempt
 
@@ -327,6 +333,9 @@ class Driver:
         truth.last_step = s.step
         truth.virtual_seconds = end
         truth.recent_step_seconds.append(s.step_seconds)
+        self._process_steps += 1
+        if self._process_steps > 1:
+            truth.window_step_seconds.append(max(s.step_seconds - s.phases[0][I_CKPT], 0.0))
         truth.recent_last_arrival.append(s.last_arrivals[0])
         truth.recent_skew.append(s.skew)
         if self.keep_steps:
