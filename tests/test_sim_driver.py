@@ -151,6 +151,19 @@ def test_records_are_exact_only_once_the_attempts_first_window_is_exchanged(rece
                 [False] * 49 + [True] * (n - 49) if rank == 0 else [False] * n)
 
 
+def test_heartbeats_count_the_collective_a_rank_waits_in(receivers):
+    """The collective sequence of the last collective entered, as the monitor counts it: in its
+    step's compute a rank has entered the previous step's collective, in ``sync`` this one's."""
+    rx = receivers(1)
+    truth = run_scenario("healthy", nodes=1, ranks_per_node=2, steps=20, sockets=[rx[0].path],
+                         start_wall=START, heartbeat_every=0.05)
+    rx[0].wait_for(truth.records_sent)
+    beats = by_kind(rx, HeartbeatRecord)
+    assert {h.phase for h in beats} >= {"forward", "sync"}
+    for h in beats:
+        assert h.collective_sequence == h.last_step + (h.phase == "sync"), h
+
+
 def test_restarts_change_attempt_pid_and_step_numbers(receivers):
     rx = receivers(2)
     truth = run_scenario("restarts", nodes=2, ranks_per_node=2, steps=400,

@@ -285,7 +285,10 @@ class Driver:
         for i, r in enumerate(self.ranks):
             phase, elapsed = _phase_at(s.phases[i], offset)
             counts = r.counts()
-            r.send(r.encoder.heartbeat(wall, r.last_step, r.last_step_wall, phase, elapsed, r.seq,
+            # a rank in ``sync`` has entered this step's collective: the monitor counts a
+            # collective when it is entered, so that a rank stuck before it reads as behind
+            seq = r.seq + 1 if phase == "sync" else r.seq
+            r.send(r.encoder.heartbeat(wall, r.last_step, r.last_step_wall, phase, elapsed, seq,
                                        *counts), self._in_order, counts[:2])
         self.truth.heartbeat_records += len(self.ranks)
         self.truth.records_sent += len(self.ranks)
