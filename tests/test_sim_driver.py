@@ -210,6 +210,19 @@ def test_realtime_mode_takes_the_simulated_time_and_stops_on_request(receivers):
     assert by_kind(rx, EndRecord) == []  # stopped, not completed
 
 
+def test_a_driver_run_again_keeps_the_models_truth():
+    """Model-only drivers are stepped by repeated ``run`` calls (the hardware tests): the truth of
+    the later calls' steps counts as the first's, though the first call's processes are gone."""
+    p = scenario_params("straggler", 2, 2)
+    stepped, whole = Driver(p, 1), Driver(p, 1)
+    stepped.run(30)
+    stepped.run(30)
+    whole.run(60)
+    assert stepped.truth.last_arrivals == whole.truth.last_arrivals
+    assert stepped.truth.slack_seconds == whole.truth.slack_seconds
+    assert sum(whole.truth.last_arrivals) >= 60
+
+
 def test_driver_refuses_mismatched_targets():
     with pytest.raises(ValueError, match="targets"):
         Driver(scenario_params("healthy", 2, 2), targets=[{"socket": "/nonexistent"}])
