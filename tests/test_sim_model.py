@@ -156,3 +156,29 @@ def test_bad_parameters_are_refused():
         Params(nodes=1, ranks_per_node=2, straggler_rank=2)
     with pytest.raises(ValueError, match="unknown scenario"):
         scenario_params("nope")
+
+
+@pytest.mark.parametrize("bad", [dict(oscillation=1.2), dict(thermal_amplitude=1.5),
+                                 dict(straggler_rank=0, straggler_slowdown=-1.0),
+                                 dict(compute_seconds=0.0), dict(compute_seconds=-0.5),
+                                 dict(collective_seconds=-0.1), dict(checkpoint_seconds=-1.0),
+                                 dict(samples_per_step=-32.0), dict(congestion_factor=-2.0),
+                                 dict(phase_split=(-0.1, 0.5, 0.5, 0.1)),
+                                 dict(restart_seconds=float("nan")), dict(checkpoint_every=-50),
+                                 dict(thermal_amplitude=0.1, thermal_period_steps=0)])
+def test_parameters_that_give_negative_or_broken_times_are_refused(bad):
+    """Each of these made steps with negative phases, waits or samples (or a division by zero):
+    the daemons rejected those records as bad_value while the truth counted them."""
+    with pytest.raises(ValueError):
+        Params(**bad)
+
+
+def test_edge_parameters_that_stay_valid():
+    """World size 1, no jitter, a faster 'straggler', no collective: every time stays >= 0."""
+    p = Params(nodes=1, ranks_per_node=1, jitter=0.0, stall_probability=0.0, collective_seconds=0.0,
+               straggler_rank=0, straggler_slowdown=-0.5, oscillation=-0.2, congestion_rate=0.0)
+    model = Model(p, seed=0)
+    for _ in range(20):
+        s = model.next()
+        assert s.waits == (0.0,) and s.skew == 0.0 and s.last_arrivals == (0,)
+        assert min(s.phases[0]) >= 0 and s.step_seconds == pytest.approx(sum(s.phases[0]))

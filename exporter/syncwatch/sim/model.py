@@ -64,8 +64,30 @@ class Params:
     def __post_init__(self):
         if self.nodes < 1 or self.ranks_per_node < 1:
             raise ValueError("nodes and ranks_per_node must be at least 1")
-        if len(self.phase_split) != len(COMPUTE_PHASES) or abs(sum(self.phase_split) - 1) > 1e-9:
-            raise ValueError("phase_split must be 4 fractions summing to 1")
+        if (len(self.phase_split) != len(COMPUTE_PHASES) or min(self.phase_split) < 0
+                or abs(sum(self.phase_split) - 1) > 1e-9):
+            raise ValueError("phase_split must be 4 fractions (>= 0) summing to 1")
+        # a negative duration or amount would make every daemon reject the rank's records
+        # (bad_value) while the truth counted them
+        if not 0 < self.compute_seconds < math.inf:
+            raise ValueError(f"compute_seconds must be positive and finite, not {self.compute_seconds}")
+        for name in ("collective_seconds", "stall_seconds", "stall_cap", "congestion_factor",
+                     "checkpoint_seconds", "restart_seconds", "samples_per_step"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be >= 0 and finite, not {getattr(self, name)}")
+        if not self.straggler_slowdown > -1:
+            raise ValueError(f"straggler_slowdown must be > -1 (-1: no compute at all), "
+                             f"not {self.straggler_slowdown}")
+        for name in ("oscillation", "thermal_amplitude"):
+            if not abs(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be within (-1, 1): compute x (1 - {name}) "
+                                 f"must stay positive, not {getattr(self, name)}")
+        if self.thermal_period_steps < 1 or not self.stall_alpha > 0:
+            raise ValueError("thermal_period_steps must be >= 1 and stall_alpha > 0")
+        if min(self.checkpoint_every, self.congestion_every, self.congestion_steps,
+               *self.fail_after) < 0:
+            raise ValueError("checkpoint_every, congestion_every, congestion_steps and fail_after "
+                             "must be >= 0")
         if self.fail_after and not self.checkpoint_every:
             raise ValueError("restarts need checkpoint_every > 0 to resume from")
         if self.straggler_rank >= self.world_size:
