@@ -87,6 +87,18 @@ def test_demo_reports_a_taken_port_clearly():
     assert f"127.0.0.1:{port}" in out.stderr and "--base-port" in out.stderr
 
 
+@pytest.mark.parametrize("flags", [["--step-time", "nan"], ["--step-time", "inf"],
+                                   ["--step-time", "-1"], ["--duration", "-5"],
+                                   ["--summary-every", "0"], ["--nodes", "0"]])
+def test_demo_refuses_bad_numbers_before_starting_anything(flags, capsys):
+    """A NaN step time ran a demo whose every record the daemons rejected (NaN durations), a
+    negative duration stopped it at once after announcing it, a zero summary period printed the
+    summary ten times a second."""
+    from syncwatch import cli
+    assert cli.main(["demo", "--base-port", "0", "--no-hardware", "--duration", "1", *flags]) == 2
+    assert "syncwatch demo:" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
                          ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_demo_stops_cleanly_on_a_stop_signal(sig):

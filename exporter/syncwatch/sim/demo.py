@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -120,8 +121,12 @@ def main(args) -> int:
               "--ranks-per-node), beside the seed paper's baseline:")
         print(format_sweep(scaling_sweep(ranks_per_node=args.ranks_per_node, seed=args.seed)))
         return 0
-    if args.nodes < 1 or args.ranks_per_node < 1 or args.step_time <= 0:
-        print("syncwatch demo: --nodes, --ranks-per-node and --step-time must be positive",
+    if args.nodes < 1 or args.ranks_per_node < 1 or not 0 < args.step_time < math.inf:
+        print("syncwatch demo: --nodes, --ranks-per-node and --step-time must be positive "
+              "(and finite)", file=sys.stderr)
+        return 2
+    if not (0 <= args.duration < math.inf and 0 < args.summary_every < math.inf):
+        print("syncwatch demo: --duration must be >= 0 and --summary-every positive (finite)",
               file=sys.stderr)
         return 2
     with _stop_signals_interrupt():
