@@ -99,6 +99,29 @@ def test_demo_refuses_bad_numbers_before_starting_anything(flags, capsys):
     assert "syncwatch demo:" in capsys.readouterr().err
 
 
+def test_demo_stopped_while_it_starts_cleans_up(monkeypatch, capsys):
+    """A stop signal between the simulation's set-up and its start (the hardware following the
+    driver here) stops the demo as any other: the summary, exit status 0, the daemons stopped
+    and the socket and hardware directories removed. It raised UnboundLocalError (no start time
+    yet), then RuntimeError (joining a thread never started) and left both directories."""
+    from syncwatch import cli
+    from syncwatch.sim import hardware
+
+    made = []
+
+    def interrupted(self, driver):
+        made.append(self.dir)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hardware.SimulatedHardware, "follow", interrupted)
+    assert cli.main(["demo", "--base-port", "0", "--nodes", "1", "--ranks-per-node", "1",
+                     "--duration", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "waiting for the first step" in out
+    sock_dir = os.path.dirname(re.search(r"\(ingest (\S+\.sock)\)", out).group(1))
+    assert not os.path.exists(sock_dir) and made and not made[0].exists()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
                          ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_demo_stops_cleanly_on_a_stop_signal(sig):

@@ -170,13 +170,13 @@ def _run(args) -> int:
         sockets = [args.send_to] * args.nodes if args.send_to else [d.socket_path for d in daemons]
         print("Ctrl-C stops." if not args.duration else f"Running for {args.duration:g} s.",
               flush=True)
+        t0 = time.monotonic()  # before the thread exists: an interrupt's summary reads it
         thread = ScenarioThread(args.scenario, [{"socket": path} for path in sockets],
                                 args.nodes, args.ranks_per_node, seed=args.seed,
                                 job=args.job or None, params={"compute_seconds": args.step_time},
                                 node_prefix=NODE_PREFIX)
         if hardware is not None:
             hardware.follow(thread.driver)
-        t0 = time.monotonic()
         thread.start()
         next_summary = args.summary_every
         while thread.is_alive():

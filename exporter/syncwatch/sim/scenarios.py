@@ -98,5 +98,7 @@ class ScenarioThread(threading.Thread):
             self.error = e
 
     def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the run and wait for it; also safe before ``start()`` (an interrupted start-up)."""
         self._stop_event.set()
-        self.join(timeout)
+        if self.ident is not None:  # started: join() of a thread never started raises
+            self.join(timeout)
