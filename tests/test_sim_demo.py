@@ -89,11 +89,13 @@ def test_demo_reports_a_taken_port_clearly():
 
 @pytest.mark.parametrize("flags", [["--step-time", "nan"], ["--step-time", "inf"],
                                    ["--step-time", "-1"], ["--duration", "-5"],
-                                   ["--summary-every", "0"], ["--nodes", "0"]])
-def test_demo_refuses_bad_numbers_before_starting_anything(flags, capsys):
+                                   ["--summary-every", "0"], ["--nodes", "0"],
+                                   ["--job", "my job"], ["--job", "x" * 129]])
+def test_demo_refuses_bad_arguments_before_starting_anything(flags, capsys):
     """A NaN step time ran a demo whose every record the daemons rejected (NaN durations), a
     negative duration stopped it at once after announcing it, a zero summary period printed the
-    summary ten times a second."""
+    summary ten times a second, a --job outside the label alphabet died in a traceback once the
+    daemons were up."""
     from syncwatch import cli
     assert cli.main(["demo", "--base-port", "0", "--no-hardware", "--duration", "1", *flags]) == 2
     assert "syncwatch demo:" in capsys.readouterr().err

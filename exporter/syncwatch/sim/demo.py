@@ -28,6 +28,7 @@ import threading
 import time
 
 from ..cli import add_flag, plain
+from ..protocol import LABEL_RE
 from .driver import GroundTruth, node_name
 from .model import format_sweep, scaling_sweep
 from .scenarios import SCENARIOS, ScenarioThread
@@ -128,6 +129,10 @@ def main(args) -> int:
     if not (0 <= args.duration < math.inf and 0 < args.summary_every < math.inf):
         print("syncwatch demo: --duration must be >= 0 and --summary-every positive (finite)",
               file=sys.stderr)
+        return 2
+    if args.job and not LABEL_RE.fullmatch(args.job):
+        print(f"syncwatch demo: --job {args.job!r} is not a train_job label: 1 to 128 of "
+              f"A-Z a-z 0-9 _ . : @ / + = -", file=sys.stderr)
         return 2
     with _stop_signals_interrupt():
         return _run(args)
