@@ -223,6 +223,17 @@ def test_a_driver_run_again_keeps_the_models_truth():
     assert sum(whole.truth.last_arrivals) >= 60
 
 
+def test_checkpoints_count_even_when_they_take_no_time():
+    """The model resumes restarts from every checkpoint_every-th step whatever checkpoint_seconds
+    is (default 0): each is a checkpoint the ranks report, as the monitor counts a checkpoint
+    phase of any length."""
+    p = scenario_params("healthy", 1, 2, checkpoint_every=10, fail_after=(25,))
+    truth = Driver(p, 0).run(40)
+    assert truth.restarts[0].resume_step == 21
+    # attempt 1 ran steps 21..35: one checkpoint (step 30), none of attempt 0's
+    assert [t.checkpoints for t in truth.reported] == [1, 1]
+
+
 def test_driver_refuses_mismatched_targets():
     with pytest.raises(ValueError, match="targets"):
         Driver(scenario_params("healthy", 2, 2), targets=[{"socket": "/nonexistent"}])

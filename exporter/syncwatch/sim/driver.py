@@ -299,6 +299,9 @@ class Driver:
         end = s.start + s.step_seconds
         wall = self._wall(end)
         lo = s.min_wait
+        # a checkpoint step counts one whatever its duration (checkpoint_seconds may be 0), as
+        # the monitor counts every checkpoint phase: the model resumes restarts from them
+        checkpoint = bool(p.checkpoint_every) and s.step % p.checkpoint_every == 0
         for i, r in enumerate(self.ranks):
             ph = s.phases[i]
             r.steps += 1
@@ -306,8 +309,7 @@ class Driver:
             for k in range(N_PHASES):
                 r.phase_seconds[k] += ph[k]
             r.samples += p.samples_per_step
-            if ph[I_CKPT] > 0:
-                r.checkpoints += 1
+            r.checkpoints += checkpoint
             r.seq += 1
             r.last_step = s.step
             r.last_step_wall = wall
