@@ -87,15 +87,25 @@ def test_demo_reports_a_taken_port_clearly():
     assert f"127.0.0.1:{port}" in out.stderr and "--base-port" in out.stderr
 
 
+def test_demo_points_at_the_listen_host_when_it_cannot_bind_there(capsys):
+    """An address not on this machine is no port conflict: the hint names --listen-host."""
+    from syncwatch import cli
+    assert cli.main(["demo", "--listen-host", "192.0.2.1", "--base-port", "0", "--no-hardware",
+                     "--nodes", "1", "--duration", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "192.0.2.1:0" in err and "--listen-host" in err and "--base-port" not in err
+
+
 @pytest.mark.parametrize("flags", [["--step-time", "nan"], ["--step-time", "inf"],
                                    ["--step-time", "-1"], ["--duration", "-5"],
                                    ["--summary-every", "0"], ["--nodes", "0"],
-                                   ["--job", "my job"], ["--job", "x" * 129]])
+                                   ["--job", "my job"], ["--job", "x" * 129],
+                                   ["--base-port", "-5"], ["--base-port", "65534", "--nodes", "3"]])
 def test_demo_refuses_bad_arguments_before_starting_anything(flags, capsys):
     """A NaN step time ran a demo whose every record the daemons rejected (NaN durations), a
     negative duration stopped it at once after announcing it, a zero summary period printed the
     summary ten times a second, a --job outside the label alphabet died in a traceback once the
-    daemons were up."""
+    daemons were up, and so did a --base-port whose ports leave 1..65535."""
     from syncwatch import cli
     assert cli.main(["demo", "--base-port", "0", "--no-hardware", "--duration", "1", *flags]) == 2
     assert "syncwatch demo:" in capsys.readouterr().err

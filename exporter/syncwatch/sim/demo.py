@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import math
 import os
 import shutil
@@ -130,6 +131,11 @@ def main(args) -> int:
         print("syncwatch demo: --duration must be >= 0 and --summary-every positive (finite)",
               file=sys.stderr)
         return 2
+    if args.base_port and not (0 < args.base_port and args.base_port + args.nodes - 1 <= 65535):
+        print(f"syncwatch demo: --base-port {args.base_port} with {args.nodes} nodes needs ports "
+              f"{args.base_port}..{args.base_port + args.nodes - 1}: each must be 1 to 65535 "
+              f"(or 0: any free port)", file=sys.stderr)
+        return 2
     if args.job and not LABEL_RE.fullmatch(args.job):
         print(f"syncwatch demo: --job {args.job!r} is not a train_job label: 1 to 128 of "
               f"A-Z a-z 0-9 _ . : @ / + = -", file=sys.stderr)
@@ -158,8 +164,10 @@ def _run(args) -> int:
             try:
                 d.start()
             except OSError as e:
+                hint = ("try another --base-port, or 0" if e.errno == errno.EADDRINUSE
+                        else "check --listen-host and --socket-dir")
                 print(f"syncwatch demo: cannot start the daemon of node {n} on "
-                      f"{config.listen}: {e} (try another --base-port, or 0)", file=sys.stderr)
+                      f"{config.listen}: {e} ({hint})", file=sys.stderr)
                 return 2
             daemons.append(d)
         print(f"syncwatch demo: scenario {args.scenario}, {args.nodes} nodes x "
