@@ -6,7 +6,7 @@ scrape and evaluation) -> Alertmanager (the shipped routing, fast timers) -> a w
 Several train jobs run at once on the same two daemons: one stays healthy, each other one runs
 healthy for ``warmup`` seconds and then gets one fault (the simulator's model reads its parameters
 on every step, so the switch happens at a known wall time), except a fault that is there from the
-job's start (a hang before the first step). ``run_drill`` returns, per job, when
+job's start (a first collective that never completes). ``run_drill`` returns, per job, when
 the fault started, when Prometheus first had each alert firing, and when the webhook received
 each notification. The end-to-end test asserts on it; benchmarks/detection_latency.py prints it.
 """
@@ -47,8 +47,10 @@ def fault_params(fault: str) -> dict:
         p = scenario_params("straggler", NODES, RANKS_PER_NODE)
         return dict(straggler_rank=p.straggler_rank, straggler_slowdown=p.straggler_slowdown,
                     straggler_from_step=0)
-    if fault in ("stall", "start"):  # one rank hangs in its compute; all keep sending heartbeats
+    if fault == "stall":         # one rank hangs in its compute; all keep sending heartbeats
         return dict(straggler_rank=min(2, world - 1), straggler_slowdown=1e5, straggler_from_step=0)
+    if fault == "start":         # the first collective never completes, every rank waits in it
+        return dict(congestion_every=1, congestion_steps=1, congestion_factor=1e6)
     raise ValueError(f"unknown fault {fault!r}")
 
 
