@@ -528,7 +528,8 @@ class Collected:
 
 def random_entries(rng, steps):
     """Entries as the notes and hooks put them: nested phases, DDP marks, collectives, steps."""
-    from syncwatch.instrument.monitor import COLL, COLL_END, DONE, EXIT, READY, SEQ, STEP
+    from syncwatch.instrument.monitor import (COLL, COLL_END, DONE, EXIT, READY, SEQ, STEP,
+                                              SYNCED)
     t, out = 0, []
 
     def mark():
@@ -543,8 +544,8 @@ def random_entries(rng, steps):
             idx = rng.randrange(len(PHASE_INDEX))
             out.append((idx, mark()))
             inside = rng.random()
-            if inside < 0.2:
-                out.extend([(READY, mark(), rng.randrange(1, 4)), (DONE, mark())])
+            if inside < 0.2:  # the last bucket (wrapper path) or a whole backward (hook-free)
+                out.extend([(READY, mark(), rng.randrange(1, 4)), (rng.choice([DONE, SYNCED]), mark())])
             elif inside < 0.35:
                 out.extend([(COLL, mark()), (SEQ,), (COLL_END, mark())])
             elif inside < 0.5 and depth < 2:
@@ -1310,6 +1311,47 @@ def test_default_ddp_path_registers_no_comm_hook_and_waits_for_the_collectives(r
         assert r2.wait_seconds == 0 and phase(r2, "sync") == 0 and r2.collective_sequence == 1
         assert 0.05 <= r3.wait_seconds < 0.2 and r3.collective_sequence == 2
         assert phase(r3, "backward") < 0.05   # the wait is not backward compute
+        assert r3.totals.internal_errors == 0
+    finally:
+        _state.set_monitor(None)
+        m.shutdown()
+
+
+def test_a_step_with_two_gradient_syncs_waits_their_sum(rx, ddp_world1):
+    """Two DDP models in one step (a GAN's discriminator and generator), each all-reduce ending
+    50 ms late: the step's wait is both waits, whether each backward has its phase or they share
+    one; a second backward that DDP does not synchronize (a loss through the module, without
+    DDP's forward) adds its ~0 where it used to replace the step's real wait."""
+    torch = ddp_world1
+    import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
+    m = make_monitor(rx)
+    _state.set_monitor(m)
+    try:
+        disc, gen = make_ddp(torch), make_ddp(torch)
+        for model in (disc, gen):
+            sw.register(model, collectives=False)
+            model.register_comm_hook(None, late_allreduce_hook)
+        x = torch.randn(4, 8)
+        with m.phase("backward"):
+            disc(x).sum().backward()
+        with m.phase("backward"):
+            gen(x).sum().backward()
+        m.step(4)
+        with m.phase("backward"):
+            disc(x).sum().backward()
+            gen(x).sum().backward()
+        m.step(4)
+        with m.phase("backward"):
+            disc(x).sum().backward()
+            disc.module(x).sum().backward()  # not DDP's forward: nothing synchronized
+        m.step(4)
+        r1, r2, r3 = steps(rx, 3)
+        for r in (r1, r2):
+            assert 0.1 <= r.wait_seconds < 0.3 and r.wait_seconds == phase(r, "sync")
+            assert phase(r, "backward") < 0.05
+        assert 0.05 <= r3.wait_seconds < 0.1
+        assert [r.collective_sequence for r in (r1, r2, r3)] == [2, 4, 6]
         assert r3.totals.internal_errors == 0
     finally:
         _state.set_monitor(None)

@@ -123,7 +123,7 @@ def watch_gradients(model) -> Handle:
         if m is None:
             return
         try:
-            queue(m.bucket_done)  # runs after DDP's finalize_backward, queued meanwhile
+            queue(m.grads_synced)  # runs after DDP's finalize_backward, queued meanwhile
             buckets[0], buckets[1] = _bucket_count(ddp()), buckets[1] + 1
             m._put((READY, m._mark(), buckets[0]))  # m.bucket_ready inlined: a frame less
         except Exception:
@@ -145,7 +145,7 @@ def watch_gradients(model) -> Handle:
             relay = m.relays.get(token)
             if relay is None:
                 relay = m.relays[token] = m._notes.relay(
-                    READY, buckets[0], functools.partial(queue, m.bucket_done))
+                    READY, buckets[0], functools.partial(queue, m.grads_synced))
             queue(relay)
         except Exception:
             m._error()

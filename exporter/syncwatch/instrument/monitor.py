@@ -59,10 +59,10 @@ MAX_PER_STEP = MAX_TOTAL / 1000
 MAX_NEW_ATTEMPTS = 16
 
 # Entry codes. A phase's start is its index, its end the index + EXIT. Layouts:
-#   (phase, mark) (phase + EXIT, mark) (READY, mark, collectives) (DONE, mark)
+#   (phase, mark) (phase + EXIT, mark) (READY, mark, collectives) (DONE, mark) (SYNCED, mark)
 #   (COLL, mark) (COLL_END, mark) (SEQ,) (STEP, mark, wall, samples, tokens, step number | None)
 EXIT = 8
-STEP, READY, DONE, COLL, COLL_END, SEQ = 16, 17, 18, 19, 20, 21
+STEP, READY, DONE, COLL, COLL_END, SEQ, SYNCED = 16, 17, 18, 19, 20, 21, 22
 _SEQ_ENTRY = (SEQ,)
 
 
@@ -101,8 +101,11 @@ class Monitor:
         """``step(samples=0, tokens=None, step=None)``: end the current step, which processed
         ``samples`` (and ``tokens``); ``step``: the job's own step number (default: previous + 1)."""
         self.bucket_done = self._notes.mark(DONE)
-        """The bucket's collective finished (wrapper path, communication thread), or all of them
-        (hook-free path: the final callback queued after DDP's finalize). Arguments ignored."""
+        """The bucket's collective finished (wrapper path, communication thread). Arguments
+        ignored."""
+        self.grads_synced = self._notes.mark(SYNCED)
+        """All of a backward's collectives finished (hook-free path: the final callback queued
+        after DDP's finalize): that backward's wait ends here. Arguments ignored."""
         self.relays: dict = {}
         """The hook-free gradient wait's first callbacks, one per watched model (``hooks``)."""
         # the replay's state: only the records thread (or flush()) touches it, under _lock
@@ -111,7 +114,7 @@ class Monitor:
         self._spans: list = []   # this step's phases: (index, start, end, sync index lo, hi)
         self._sync: list = []    # this step's collective waits: (start mark, end mark)
         self._colls: list = []   # start marks of blocking collectives not yet ended
-        self._grad: tuple | None = None  # the step's gradient-sync wait (DDP), also in _sync
+        self._grads: list = []   # the step's gradient syncs (DDP): (ready, done), also in _sync
         self._ready = None       # mark when the (latest bucket's) gradients were ready
         self._done = None        # mark when the (latest bucket's) collective was done
         self._step_start = self.clock.mark()  # the first step's: moved to its first phase
@@ -247,6 +250,10 @@ class Monitor:
         elif code == DONE:
             self._done = e[1]
             self._ddp_out += 1
+        elif code == SYNCED:  # a whole backward's: closed now, a second backward has its own
+            self._done = e[1]
+            self._ddp_out += 1
+            self._close_ddp()
         elif code == COLL:
             self.collective_sequence += 1
             self._sync_begins(host)
@@ -269,12 +276,15 @@ class Monitor:
         return self._coll_in > 0 or self._ddp_in > self._ddp_out
 
     def _close_ddp(self) -> None:
-        """Turn the last bucket's ready..done into the step's gradient wait."""
+        """Turn the last bucket's ready..done into one of the step's gradient waits. A step's
+        wait is the sum of its gradient syncs: two DDP models (a GAN's generator and
+        discriminator) wait twice a step, and a second backward that DDP does not synchronize
+        adds its ~0, where keeping the last one lost the other."""
         ready, done = self._ready, self._done
         if ready is not None and done is not None:
             self._ready = self._done = None
-            self._grad = (ready, done)
-            self._sync.append(self._grad)
+            self._grads.append((ready, done))
+            self._sync.append((ready, done))
 
     def _end_phase(self, idx: int, end, host) -> None:
         if self._done is not None:
@@ -316,9 +326,9 @@ class Monitor:
                 number = self.last_step + 1
         if tokens is not None:
             self._has_tokens = True
-        rec = (number, wall, self._step_start, end, self._spans, self._sync, self._grad,
+        rec = (number, wall, self._step_start, end, self._spans, self._sync, self._grads,
                samples, tokens, self.collective_sequence, self.encoder)
-        self._spans, self._sync, self._grad = [], [], None
+        self._spans, self._sync, self._grads = [], [], []
         self._step_start = end
         self.last_step, self.last_step_wall = number, wall
         if not self._stack:
@@ -341,7 +351,7 @@ class Monitor:
         while pending:
             rec = pending[0]
             try:
-                if not ready(rec[3]) or (rec[6] is not None and not ready(rec[6][1])):
+                if not ready(rec[3]) or (rec[6] and not ready(rec[6][-1][1])):
                     break
                 self._emit(rec)
             except Exception:
@@ -382,7 +392,7 @@ class Monitor:
             release(b)
 
     @staticmethod
-    def _durations_host(s0, s1, spans, sync, grad):
+    def _durations_host(s0, s1, spans, sync, grads):
         """(step, phases, wait) in seconds from integer nanosecond marks: plain arithmetic."""
         phases = [0.0] * _NPH
         if sync:
@@ -397,22 +407,22 @@ class Monitor:
             for idx, a, b, _, _ in spans:
                 if b > a:
                     phases[idx] += (b - a) * 1e-9
-        wait = (grad[1] - grad[0]) * 1e-9 if grad is not None else phases[SYNC]
-        return max((s1 - s0) * 1e-9, 0.0), phases, max(wait, 0.0)
+        wait = sum(max(b - a, 0) for a, b in grads) * 1e-9 if grads else phases[SYNC]
+        return max((s1 - s0) * 1e-9, 0.0), phases, wait
 
-    def _durations_events(self, s0, s1, spans, sync, grad):
+    def _durations_events(self, s0, s1, spans, sync, grads):
         el = self.clock.elapsed
         sync_d = [max(el(a, b), 0.0) for a, b in sync]
         phases = [0.0] * _NPH
         for idx, a, b, lo, hi in spans:
             phases[idx] += max(el(a, b) - sum(sync_d[lo:hi]), 0.0)
         phases[SYNC] += sum(sync_d)
-        wait = max(el(*grad), 0.0) if grad is not None else phases[SYNC]
+        wait = sum(max(el(a, b), 0.0) for a, b in grads) if grads else phases[SYNC]
         return max(el(s0, s1), 0.0), phases, wait
 
     def _emit(self, rec) -> None:
-        number, wall, s0, s1, spans, sync, grad, samples, tokens, seq, encoder = rec
-        step_s, phases, wait = self._durations(s0, s1, spans, sync, grad)
+        number, wall, s0, s1, spans, sync, grads, samples, tokens, seq, encoder = rec
+        step_s, phases, wait = self._durations(s0, s1, spans, sync, grads)
         samples = self._amount("samples", samples)  # here: a CUDA tensor's step is done
         tokens = 0.0 if tokens is None else self._amount("tokens", tokens)
         t = self.totals
