@@ -734,6 +734,27 @@ def test_cuda_gradient_wait_is_the_last_bucket_not_every_collective(rx):
     assert r.step_seconds == pytest.approx(0.026)
 
 
+def test_cuda_step_with_two_gradient_syncs_waits_their_sum(rx):
+    """On the device as on the host: each hook-free backward's wait (ready, then synced after
+    DDP's finalize) is closed on its own, and the step waits their sum; the step is read once
+    the last of them has passed."""
+    dev = FakeStream()
+    m = make_monitor(rx, clock=CudaEventClock(lambda: FakeEvent(dev)))
+    with m.phase("backward"):
+        for compute, wait in ((5, 7), (3, 4)):  # the discriminator's, then the generator's
+            dev.launch(compute)
+            m.bucket_ready()
+            dev.launch(wait)
+            m.grads_synced()
+    m.step(8)
+    dev.run()
+    m.shutdown()
+    (r,) = steps(rx, 1)
+    assert r.wait_seconds == pytest.approx(0.011) == phase(r, "sync")
+    assert phase(r, "backward") == pytest.approx(0.008)
+    assert r.step_seconds == pytest.approx(0.019)
+
+
 def test_cuda_events_of_a_first_phase_that_ends_after_the_first_step(rx):
     """The first step starts at its first phase's start event. Where that phase ends after the
     step (``step()`` called inside it), resolving the step gave the event back to the pool while
