@@ -14,7 +14,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "exporter"))
 
-from syncwatch.protocol import Cumulative, Encoder, Identity  # noqa: E402
+from syncwatch.protocol import PHASES, Cumulative, Encoder, Identity  # noqa: E402
 
 WALL0 = 1_800_000_000.0
 
@@ -56,9 +56,10 @@ def encoder(rank: int, world: int = 64, job: str = "bench") -> Encoder:
 
 
 def step_record(enc: Encoder, step: int, seconds: float = 0.1) -> bytes:
-    totals = Cumulative(step, step * seconds, (step * seconds / 7,) * 7, 0.001 * step, step // 64,
+    n = len(PHASES)
+    totals = Cumulative(step, step * seconds, (step * seconds / n,) * n, 0.001 * step, step // 64,
                         32.0 * step, 0.0, 0, 0, 0)
-    return enc.step(step, WALL0 + step, seconds, 0.002, (seconds / 7,) * 7, 2 * step, 32.0, 0.0,
+    return enc.step(step, WALL0 + step, seconds, 0.002, (seconds / n,) * n, 2 * step, 32.0, 0.0,
                     totals, exact=True)
 
 

@@ -10,7 +10,7 @@ import time
 
 from _common import DaemonProcess, encoder, machine
 
-from syncwatch.protocol import Cumulative
+from syncwatch.protocol import PHASES, Cumulative
 from syncwatch.sender import Sender
 
 N = 20_000
@@ -23,8 +23,8 @@ def pct(xs, p):
 
 def measure(sender: Sender, pace: float) -> tuple[list[float], list[float], list[float]]:
     enc = encoder(0)
-    totals = Cumulative(1, 0.1, (0.01,) * 7, 0.0, 0, 32.0, 0.0, 0, 0, 0)
-    phases = (0.01,) * 7
+    totals = Cumulative(1, 0.1, (0.01,) * len(PHASES), 0.0, 0, 32.0, 0.0, 0, 0, 0)
+    phases = (0.01,) * len(PHASES)
     enc_us, send_us, both_us = [], [], []
     clock = time.perf_counter_ns
     for step in range(1, N + 1):

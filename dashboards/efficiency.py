@@ -140,12 +140,15 @@ def build() -> db.Dashboard:
                   unit="percentunit")
             .min(0))
         .with_panel(
-            panel(timeseries.Panel(), "Checkpoint time share",
-                  "Share of the ranks' time spent in the checkpoint phase (5 m). Together with the "
-                  "re-run ratio it sets the checkpoint interval: more frequent checkpoints cost "
-                  "this, rarer ones cost re-runs.",
+            panel(timeseries.Panel(), "Checkpoint and evaluation time share",
+                  "Share of the ranks' time spent in the planned pauses (5 m): the checkpoint "
+                  "phase and the eval phase. Together with the re-run ratio the checkpoint share "
+                  "sets the checkpoint interval: more frequent checkpoints cost this, rarer ones "
+                  "cost re-runs. The evaluation share is what the evaluation interval costs.",
                   query(f'train_job_phase:syncwatch_phase:ratio5m{{{JOB}, phase="checkpoint"}}',
                         "checkpointing"),
+                  query(f'train_job_phase:syncwatch_phase:ratio5m{{{JOB}, phase="eval"}}',
+                        "evaluating"),
                   unit="percentunit")
             .min(0).legend(legend_table("mean", "lastNotNull")))
     )

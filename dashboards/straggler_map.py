@@ -102,7 +102,7 @@ def build() -> db.Dashboard:
         .with_panel(
             panel(barchart.Panel(), "Phase breakdown per rank",
                   "Share of each rank's time per phase over the shown range (data, forward, backward, "
-                  "optimizer, sync, checkpoint, other). The straggler shows the smallest sync share "
+                  "optimizer, sync, checkpoint, eval, other). The straggler shows the smallest sync share "
                   "(it does not wait); a larger data or forward share names what makes it slow.",
                   query(f'sum by (rank, phase) (rate(syncwatch_phase_seconds_total{{{RANKS}}}[$__range]) {ON_NODE})',
                         instant=True, table=True),

@@ -39,7 +39,7 @@ MEANT_FOR = {
     ("syncwatch-job-overview", "Restarts and re-run steps"): RESTARTS,
     ("syncwatch-job-overview", "Restarts and re-run work"): RESTARTS,
     ("syncwatch-efficiency", "Re-run ratio"): RESTARTS,
-    ("syncwatch-efficiency", "Checkpoint time share"): RESTARTS,
+    ("syncwatch-efficiency", "Checkpoint and evaluation time share"): RESTARTS,
 }
 
 #: Queries with no value without the skew exchange, by design: the estimate from mean waits has no tail.

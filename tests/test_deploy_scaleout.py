@@ -79,6 +79,9 @@ def fed_daemon(sock_path):
 
     stop = threading.Event()
 
+    def in_forward(seconds):
+        return tuple(seconds if p == "forward" else 0.0 for p in PHASES)
+
     def feed():
         ranks = [Encoder(Identity(JOB, 0, r, r, 2, "node-a", os.getpid())) for r in range(2)]
         sender = Sender(path=sock_path)
@@ -88,9 +91,9 @@ def fed_daemon(sock_path):
             step += 1
             for enc, t in zip(ranks, totals):
                 t.steps, t.step_seconds = step, step * 0.05
-                t.phase_seconds = (0.0,) * (len(PHASES) - 1) + (t.step_seconds,)
+                t.phase_seconds = in_forward(t.step_seconds)
                 t.samples = step * 32.0
-                sender.send(enc.step(step, time.time(), 0.05, 0.0, (0.0,) * (len(PHASES) - 1) + (0.05,),
+                sender.send(enc.step(step, time.time(), 0.05, 0.0, in_forward(0.05),
                                      step, 32.0, 0.0, t))
         sender.close()
 

@@ -617,6 +617,33 @@ def test_a_forked_child_such_as_a_dataloader_worker_records_nothing(rx):
         m.shutdown()
 
 
+def test_an_evaluation_is_a_phase_of_its_own_in_steps_and_heartbeats(rx):
+    """``sw.phase("eval")``: the protocol's eval phase (a planned pause), not ``other``; a
+    heartbeat sent during it names it, which the stall alerts read."""
+    import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
+    m = make_monitor(rx)
+    _state.set_monitor(m)
+    try:
+        with sw.phase("forward"):
+            time.sleep(0.01)
+        sw.step(1)
+        with sw.phase("eval"):
+            time.sleep(0.03)
+            m.flush()
+            m.heartbeat()
+        sw.step(0)
+        m.flush()
+        r = steps(rx, 2)[1]
+        assert 0.03 <= phase(r, "eval") < 0.06 and phase(r, "other") < 0.01, r.phase_seconds
+        assert wait_for(lambda: rx.of(HeartbeatRecord))
+        hb = rx.of(HeartbeatRecord)[-1]
+        assert hb.phase == "eval" and 0.02 <= hb.phase_elapsed < 1.0, hb
+    finally:
+        _state.set_monitor(None)
+        m.shutdown()
+
+
 def test_daemon_absent_drops_and_counts(tmp_path):
     m = Monitor(IDENT, Sender(str(tmp_path / "nobody.sock")), heartbeat_seconds=0)
     for _ in range(5):

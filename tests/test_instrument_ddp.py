@@ -380,13 +380,15 @@ def test_zero_code_counts_samples_once_when_a_second_ddp_model_sees_them_too(
     every = {0: steps, 1: steps}
     m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)
     assert m.by_rank("syncwatch_samples_total", train_job=job) == {0: 24 * steps, 1: 24 * steps}
+    # a no_grad forward of a model in train mode is no evaluation: its time is not a pause
+    assert m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="eval") == {0: 0, 1: 0}
 
 
-def test_zero_code_counts_no_samples_of_an_evaluation_and_times_it_as_other(
+def test_zero_code_counts_no_samples_of_an_evaluation_and_times_it_as_eval(
         daemon, sock_path, tmp_path):
-    """An evaluation loop after every 2nd step (3 batches under ``torch.no_grad``, 20 ms each
-    besides the forward): its samples are not training samples, and its time is ``other``, not
-    ``forward`` or ``backward``."""
+    """An evaluation loop after every 2nd step (``model.eval()``, 3 batches under
+    ``torch.no_grad``, 20 ms each besides the forward): its samples are not training samples,
+    and its time is ``eval`` (a planned pause), not ``forward``, ``backward`` or ``other``."""
     steps, job = 10, "zc-eval"
     evals = 3 * (steps // 2 - 1)  # batches evaluated within a step (the last follows step 10)
     zero_code_changes_no_result(tmp_path, sock_path, ["--steps", str(steps), "--eval-every", "2",
@@ -394,11 +396,13 @@ def test_zero_code_counts_no_samples_of_an_evaluation_and_times_it_as_other(
     every = {0: steps, 1: steps}
     m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)
     assert m.by_rank("syncwatch_samples_total", train_job=job) == {0: 24 * steps, 1: 24 * steps}
+    evaluation = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="eval")
     other = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="other")
     forward = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="forward")
     backward = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="backward")
     for r in (0, 1):
-        assert other[r] >= evals * 0.02 > forward[r] + backward[r], (other, forward, backward)
+        assert evaluation[r] >= evals * 0.02 > forward[r] + backward[r] + other[r], (
+            evaluation, other, forward, backward)
 
 
 def test_zero_code_ends_the_steps_that_a_grad_scaler_skips(daemon, sock_path, tmp_path):

@@ -13,7 +13,7 @@ from syncwatch.protocol import (HEADER, IDENT_FIXED, MAX_DATAGRAM, PHASES, REJEC
 
 IDENT = Identity(train_job="llama-7b.run:3", attempt=2, rank=5, local_rank=1, world_size=16,
                  node="gpu-node-07", pid=4242, gpu=1, gpu_uuid="GPU-8f1c2d3e-aaaa")
-TOTALS = Cumulative(steps=10, step_seconds=1.5, phase_seconds=tuple(0.1 * i for i in range(7)),
+TOTALS = Cumulative(steps=10, step_seconds=1.5, phase_seconds=tuple(0.1 * i for i in range(len(PHASES))),
                     slack_seconds=0.25, last_arrivals=3, samples=320.0, tokens=32000.0,
                     checkpoints=1, dropped_records=4, internal_errors=2, reported_dropped=3,
                     reported_errors=2)
@@ -22,7 +22,7 @@ WALL = 1_800_000_000.5
 
 def step_bytes(enc=None, **kw) -> bytes:
     args = dict(step=10, wall_time=WALL, step_seconds=0.15, wait_seconds=0.01,
-                phase_seconds=tuple(0.01 * i for i in range(7)), collective_sequence=20,
+                phase_seconds=tuple(0.01 * i for i in range(len(PHASES))), collective_sequence=20,
                 samples=32.0, tokens=3200.0, totals=TOTALS, exact=True, has_tokens=True)
     args.update(kw)
     return (enc or Encoder(IDENT)).step(**args)
@@ -41,7 +41,7 @@ def test_step_round_trip_with_skew():
     assert isinstance(rec, StepRecord)
     assert rec.identity == IDENT
     assert (rec.step, rec.wall_time, rec.step_seconds, rec.wait_seconds) == (10, WALL, 0.15, 0.01)
-    assert rec.phase_seconds == tuple(0.01 * i for i in range(7))
+    assert rec.phase_seconds == tuple(0.01 * i for i in range(len(PHASES)))
     assert (rec.collective_sequence, rec.samples, rec.tokens) == (20, 32.0, 3200.0)
     assert rec.totals == TOTALS
     assert rec.exact and rec.has_tokens
@@ -52,6 +52,8 @@ def test_heartbeat_and_end_round_trip():
     enc = Encoder(IDENT)
     hb = Decoder().decode(enc.heartbeat(WALL, 9, WALL - 3, "sync", 2.5, 19, 4, 1, 3, 0))
     assert hb == HeartbeatRecord(IDENT, WALL, 9, WALL - 3, "sync", 2.5, 19, 4, 1, 3, 0)
+    for name in PHASES:  # the last, eval, is version 3's
+        assert Decoder().decode(enc.heartbeat(WALL, 9, WALL - 3, name, 60.0, 19)).phase == name
     end = Decoder().decode(enc.end(WALL, 10, "failed"))
     assert end == EndRecord(IDENT, WALL, 10, "failed")
 
@@ -75,9 +77,36 @@ def test_truncated(cut):
 def test_bad_magic_unknown_version_unknown_kind():
     data = step_bytes()
     assert reason_of(b"XY" + data[2:]) == "bad_magic"
-    for version in (VERSION - 1, VERSION + 1):  # 1 is the layout before the reported_* fields
+    for version in (VERSION - 2, VERSION + 1):  # 1 is the layout before the reported_* fields
         assert reason_of(data[:2] + bytes([version]) + data[3:]) == "unknown_version"
     assert reason_of(data[:3] + bytes([99]) + data[4:]) == "unknown_kind"
+
+
+def _version_2(kind: int, body: bytes) -> bytes:
+    ident = IDENT.encode()
+    return HEADER.pack(b"SW", 2, kind, len(ident)) + ident + body
+
+
+def test_version_2_records_decode_without_an_eval_phase():
+    """A rank on the release before the eval phase keeps reporting to an upgraded daemon: its
+    7 phases (written here in version 2's layout, independent of the encoder) read as the first
+    7 of PHASES, eval 0."""
+    old = [0.01 * (i + 1) for i in range(7)]
+    totals = [1.0 * (i + 1) for i in range(7)]
+    body = struct.pack("<qddd7dqddqd7ddqddqqqqqB", 10, WALL, 0.15, 0.01, *old, 20, 32.0, 0.0,
+                       10, 1.5, *totals, 0.25, 3, 320.0, 0.0, 1, 4, 2, 3, 2, 1)
+    rec = Decoder().decode(_version_2(1, body))
+    assert PHASES[:7] == ("data", "forward", "backward", "optimizer", "sync", "checkpoint", "other")
+    assert rec.phase_seconds == (*old, 0.0)
+    assert rec.totals.phase_seconds == (*totals, 0.0)
+    assert (rec.step, rec.step_seconds, rec.collective_sequence, rec.totals.checkpoints) == (10, 0.15, 20, 1)
+    assert rec.exact and not rec.has_tokens
+    assert reason_of(_version_2(1, body + b"\0" * 8)) == "unknown_fields"  # a version 3 length
+
+    hb = struct.pack("<dqdBdqqqqq", WALL, 9, WALL - 3, 6, 2.5, 19, 0, 0, 0, 0)
+    assert Decoder().decode(_version_2(2, hb)).phase == "other"
+    hb7 = struct.pack("<dqdBdqqqqq", WALL, 9, WALL - 3, 7, 2.5, 19, 0, 0, 0, 0)
+    assert reason_of(_version_2(2, hb7)) == "bad_value"  # version 2 had no phase 7
 
 
 def test_unknown_fields():
@@ -124,7 +153,7 @@ def test_identity_encode_refuses_bad_labels():
 @pytest.mark.parametrize("kw", [
     dict(step_seconds=float("nan")), dict(wait_seconds=float("inf")), dict(step_seconds=-0.1),
     dict(step_seconds=2e6), dict(wall_time=0.0), dict(wall_time=float("nan")),
-    dict(phase_seconds=(0.1,) * 6 + (float("nan"),)), dict(samples=-1.0), dict(step=-5),
+    dict(phase_seconds=(0.1,) * (len(PHASES) - 1) + (float("nan"),)), dict(samples=-1.0), dict(step=-5),
     dict(collective_sequence=-1),
     dict(totals=Cumulative(steps=2, last_arrivals=3)),          # more last arrivals than steps
     dict(totals=Cumulative(steps=1, samples=float("inf"))),

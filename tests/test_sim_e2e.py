@@ -18,6 +18,7 @@ from syncwatch.daemon.app import DaemonThread
 from syncwatch.daemon.config import DaemonConfig
 from syncwatch.protocol import PHASES
 from syncwatch.sim.driver import node_name
+from syncwatch.sim.model import step_cv
 from syncwatch.sim.scenarios import run_scenario, straggler_rank
 
 GOLDEN = Path(__file__).parent / "golden" / "sim_straggler_2x2.prom"
@@ -145,6 +146,27 @@ def test_restarts_reach_the_job_series(cluster):
         assert value(sm, "syncwatch_step_cv", **lab) == pytest.approx(truth.cv(100), rel=1e-9)
         assert value(sm, "syncwatch_step_autocorrelation", **lab) == pytest.approx(
             truth.autocorrelation(100), rel=1e-9)
+
+
+def test_evaluations_are_exported_as_eval_and_left_out_of_the_cv(cluster):
+    """An evaluation of 20 step times every 40 steps: exported as the eval phase on every rank,
+    whole in the step counters, and left out of the CV (a planned pause): the daemon's CV is the
+    truth's, a few percent, where the evaluations counted in read it above 1."""
+    daemons = cluster(1)
+    truth, scraped = run_through(daemons, "healthy", 1, 2, 200,
+                                 params=dict(eval_every=40, eval_seconds=20.0), keep_steps=True)
+    sm, job = scraped[0], truth.job
+    evals = [st.step for st in truth.steps if st.phases[0][PHASES.index("eval")] > 0]
+    assert evals == [40, 80, 120, 160, 200]
+    for rank in (0, 1):
+        lab = dict(train_job=job, rank=rank)
+        assert value(sm, "syncwatch_phase_seconds_total", phase="eval", **lab) == pytest.approx(
+            truth.reported[rank].phase_seconds[PHASES.index("eval")], rel=1e-12) == 100.0
+        assert value(sm, "syncwatch_step_seconds_total", **lab) > 100.0 + 160
+        cv = value(sm, "syncwatch_step_cv", **lab)
+        assert cv == pytest.approx(truth.cv(100), rel=1e-9)
+        assert cv < 0.1
+    assert step_cv([st.step_seconds for st in truth.steps[-100:]]) > 1
 
 
 def test_truths_window_is_the_daemons_after_a_restart(cluster):

@@ -18,6 +18,10 @@ internal-error counts of the last record the rank's sender delivered before them
 a daemon that meets the rank's process for the first time (it restarted, or let the rank expire)
 counts only what goes beyond those, which an earlier daemon already counted.
 
+The daemon decodes the current version and the one before it (``OLD_VERSION``), so that a node's
+daemon can be upgraded first while the ranks of running jobs still speak the earlier release; a
+rank on a newer release than its daemon is rejected (``unknown_version``): upgrade daemons first.
+
 Every field is validated; anything the daemon cannot account for (bad magic, unknown version or
 kind, trailing bytes = unknown fields, out-of-range values, label values outside ``LABEL_RE``) is
 rejected with a reason from ``REJECT_REASONS``.
@@ -31,15 +35,21 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"SW"
-VERSION = 2  # 2: the reported_dropped and reported_errors fields
+VERSION = 3  # 2: the reported_dropped and reported_errors fields; 3: the eval phase
+OLD_VERSION = 2  # still decoded (its records have no eval phase): ranks on an earlier release
+# keep reporting while their node's daemon is upgraded under them
 MAX_DATAGRAM = 2048
 
 KIND_STEP = 1
 KIND_HEARTBEAT = 2
 KIND_END = 3
 
-PHASES = ("data", "forward", "backward", "optimizer", "sync", "checkpoint", "other")
+PHASES = ("data", "forward", "backward", "optimizer", "sync", "checkpoint", "other", "eval")
 PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
+# Planned pauses: a checkpoint save and an evaluation stop training on purpose, often for
+# minutes every few hundred steps. They are no jitter (left out of the step times whose variance
+# is watched) and no stall (a rank in one is granted time before the job reads stalled).
+PAUSES = ("checkpoint", "eval")
 
 END_REASONS = ("completed", "failed", "interrupted")
 
@@ -68,12 +78,21 @@ REJECT_REASONS = ("too_large", "truncated", "bad_magic", "unknown_version", "unk
 HEADER = struct.Struct("<2sBBH")
 IDENT_FIXED = struct.Struct("<iiiiiI")
 _NPH = len(PHASES)
-STEP_BODY = struct.Struct(
-    "<qddd" + "d" * _NPH      # step, wall_time, step_seconds, wait_seconds, phases (this step)
-    + "qdd"                   # collective_sequence, samples, tokens (this step)
-    + "qd" + "d" * _NPH       # cumulative: steps, step seconds, phase seconds
-    + "dqddqqq"               # slack s, last arrivals, samples, tokens, checkpoints, dropped, errors
-    + "qqB")                  # reported dropped, reported errors, flags
+
+
+def _step_body(phases: int) -> struct.Struct:
+    return struct.Struct(
+        "<qddd" + "d" * phases    # step, wall_time, step_seconds, wait_seconds, phases (this step)
+        + "qdd"                   # collective_sequence, samples, tokens (this step)
+        + "qd" + "d" * phases     # cumulative: steps, step seconds, phase seconds
+        + "dqddqqq"               # slack s, last arrivals, samples, tokens, checkpoints, dropped, errors
+        + "qqB")                  # reported dropped, reported errors, flags
+
+
+STEP_BODY = _step_body(_NPH)
+# version 2's phases: the first 7 of PHASES (no eval; a rank before it reported evaluation as other)
+_OLD_NPH = PHASES.index("eval")
+_OLD_STEP_BODY = _step_body(_OLD_NPH)
 SKEW_BODY = struct.Struct("<qd" + "q" * len(SKEW_BUCKETS))  # count, sum, cumulative bucket counts
 # wall, last_step, last_step_wall, phase, elapsed, seq, dropped, errors, reported dropped, reported errors
 HEARTBEAT_BODY = struct.Struct("<dqdBdqqqqq")
@@ -300,16 +319,17 @@ class Decoder:
         magic, version, kind, ident_len = HEADER.unpack_from(data)
         if magic != MAGIC:
             raise ProtocolError("bad_magic")
-        if version != VERSION:
-            raise ProtocolError("unknown_version", f"version {version}, this daemon speaks {VERSION}")
+        if version != VERSION and version != OLD_VERSION:
+            raise ProtocolError("unknown_version", f"version {version}, this daemon speaks "
+                                                   f"{OLD_VERSION} and {VERSION}")
         body_at = HEADER.size + ident_len
         if body_at > n:
             raise ProtocolError("truncated", "identity block cut short")
         ident = self._identity(bytes(data[HEADER.size:body_at]))
         if kind == KIND_STEP:
-            return self._step(ident, data, body_at)
+            return self._step(ident, data, body_at, version == VERSION)
         if kind == KIND_HEARTBEAT:
-            return self._heartbeat(ident, data, body_at)
+            return self._heartbeat(ident, data, body_at, version == VERSION)
         if kind == KIND_END:
             return self._end(ident, data, body_at)
         raise ProtocolError("unknown_kind", f"kind {kind}")
@@ -323,21 +343,22 @@ class Decoder:
             raise ProtocolError("unknown_fields", f"{len(data) - end - extra} unknown trailing bytes")
         return body.unpack_from(data, at)
 
-    def _step(self, ident: Identity, data: bytes, at: int) -> StepRecord:
-        if len(data) <= at + STEP_BODY.size - 1:
+    def _step(self, ident: Identity, data: bytes, at: int, current: bool = True) -> StepRecord:
+        body, p = (STEP_BODY, _NPH) if current else (_OLD_STEP_BODY, _OLD_NPH)
+        if len(data) <= at + body.size - 1:
             raise ProtocolError("truncated", "record body cut short")
-        flags = data[at + STEP_BODY.size - 1]
+        flags = data[at + body.size - 1]
         if flags & ~(FLAG_EXACT | FLAG_SKEW | FLAG_TOKENS):
             raise ProtocolError("unknown_fields", f"unknown flag bits {flags:#x}")
         extra = SKEW_BODY.size if flags & FLAG_SKEW else 0
-        v = self._fixed(STEP_BODY, data, at, extra)
-        p = _NPH
+        v = self._fixed(body, data, at, extra)
+        pad = (0.0,) * (_NPH - p)  # an old record's missing phases (eval): none
         step, wall, step_s, wait_s = v[0], v[1], v[2], v[3]
-        phases = v[4:4 + p]
+        phases = v[4:4 + p] + pad
         seq, samples, tokens = v[4 + p:7 + p]
         c = v[7 + p:]
         steps_total, step_s_total = c[0], c[1]
-        phase_totals = c[2:2 + p]
+        phase_totals = c[2:2 + p] + pad
         (slack, last_arr, samples_total, tokens_total, ckpts, dropped, errors, rep_dropped,
          rep_errors) = c[2 + p:11 + p]
         if not MIN_WALL <= wall <= MAX_WALL:
@@ -351,7 +372,7 @@ class Decoder:
             raise ProtocolError("bad_value", "integer field out of range")
         skew = None
         if extra:
-            sv = SKEW_BODY.unpack_from(data, at + STEP_BODY.size)
+            sv = SKEW_BODY.unpack_from(data, at + body.size)
             count, ssum, buckets = sv[0], sv[1], sv[2:]
             _check_floats((ssum,), MAX_TOTAL, "skew sum")
             if count < 0 or any(b < 0 for b in buckets) or any(
@@ -364,12 +385,13 @@ class Decoder:
         return StepRecord(ident, step, wall, step_s, wait_s, phases, seq, samples, tokens, totals,
                           bool(flags & FLAG_EXACT), bool(flags & FLAG_TOKENS), skew)
 
-    def _heartbeat(self, ident: Identity, data: bytes, at: int) -> HeartbeatRecord:
+    def _heartbeat(self, ident: Identity, data: bytes, at: int,
+                   current: bool = True) -> HeartbeatRecord:
         (wall, last_step, last_wall, phase, elapsed, seq, dropped, errors, rep_dropped,
          rep_errors) = self._fixed(HEARTBEAT_BODY, data, at)
         if not MIN_WALL <= wall <= MAX_WALL or not (last_wall == 0 or MIN_WALL <= last_wall <= MAX_WALL):
             raise ProtocolError("bad_value", "wall time is not a plausible unix time")
-        if phase >= _NPH:
+        if phase >= (_NPH if current else _OLD_NPH):
             raise ProtocolError("bad_value", f"phase code {phase}")
         _check_floats((elapsed,), MAX_SECONDS, "phase_elapsed")
         if not (0 <= last_step <= MAX_STEP and 0 <= seq <= MAX_STEP

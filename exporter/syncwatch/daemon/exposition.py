@@ -1,9 +1,9 @@
 """Metric families of the daemon's own data, built fresh at scrape time from a ``State`` snapshot.
 
 Names, types and labels follow the metric contract in DESIGN.md. Per rank (labels train_job,
-rank): rank_info, steps, step seconds, 7 phases, slack and last arrivals (exact mode only),
+rank): rank_info, steps, step seconds, 8 phases, slack and last arrivals (exact mode only),
 samples, tokens (when reported), step CV, autocorrelation, last step, its timestamp, collective
-sequence and the heartbeat phase — at most 21 series, under the budget of 25.
+sequence and the heartbeat phase — at most 22 series, under the budget of 25.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ..protocol import (PHASE_INDEX, REJECT_REASONS, Cumulative, EndRecord, HeartbeatRecord,
+from ..protocol import (PAUSES, PHASE_INDEX, REJECT_REASONS, Cumulative, EndRecord, HeartbeatRecord,
                         Identity, ProtocolError, Record, SkewHistogram, StepRecord)
 from .config import DaemonConfig
 
@@ -37,6 +37,7 @@ WAIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
                 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 _CHECKPOINT = PHASE_INDEX["checkpoint"]
+_PAUSES = tuple(PHASE_INDEX[name] for name in PAUSES)
 # A record of a lower attempt than a rank's current process, from another process, is a late one
 # of an older attempt (stale) while that current process lives. Once it has sent its end record,
 # or been silent this long (three of the ranks' default 5 s heartbeats), it is a new process
@@ -305,13 +306,15 @@ class State:
         r.step_seen = step
         totals = r.totals = rec.totals
         r.exact, r.has_tokens = rec.exact, rec.has_tokens
-        # a checkpoint is a planned pause, not jitter: a 30 s save among 0.5 s steps would hold
-        # the CV near 4 for W steps, and the variance alert would page on every healthy job
-        # that checkpoints every few minutes. Nor is a process's first step, its warm-up (the
-        # setup since init(), a checkpoint load, torch.compile, the first collectives): a 60 s
-        # first step among 5 s steps held the CV near 1 for W steps, past the alert's 10 minutes
+        # a checkpoint or an evaluation is a planned pause, not jitter: a 30 s save among 0.5 s
+        # steps would hold the CV near 4 for W steps, and the variance alert would page on every
+        # healthy job that checkpoints or evaluates every few minutes. Nor is a process's first
+        # step, its warm-up (the setup since init(), a checkpoint load, torch.compile, the first
+        # collectives): a 60 s first step among 5 s steps held the CV near 1 for W steps, past
+        # the alert's 10 minutes
         if totals.steps > 1:
-            r.window.append(max(rec.step_seconds - rec.phase_seconds[_CHECKPOINT], 0.0))
+            paused = sum(rec.phase_seconds[i] for i in _PAUSES)
+            r.window.append(max(rec.step_seconds - paused, 0.0))
             r.version += 1
         if step > r.last_step:
             r.last_step = step

@@ -42,7 +42,9 @@ DEFAULT_HEARTBEAT_SECONDS = 5.0
 
 phase = _state.phases.__getitem__
 """``phase(name)``: the context manager timing phase ``name``: data, forward, backward, optimizer,
-checkpoint (any other name: ``other``). A dict lookup in C (see ``_state.Phases``)."""
+checkpoint, eval (any other name: ``other``). A dict lookup in C (see ``_state.Phases``).
+``checkpoint`` and ``eval`` are planned pauses: left out of the step-time variance, and a rank in
+one for less than 30 minutes does not make its job read stalled."""
 _failed = False
 
 

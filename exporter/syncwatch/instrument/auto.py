@@ -22,8 +22,10 @@ be created there):
   of it that skipped ``step()`` (inf or NaN gradients); samples = the batch dimension of the
   first tensor given to forward (``batch_size``), summed over the step's forwards of the first
   model that runs one with autograd on (that optimizer or model once dropped: the next one, as
-  in a second run in the same process); a forward with autograd off (evaluation under
-  ``torch.no_grad``, a frozen teacher) counts no samples and its time is ``other``.
+  in a second run in the same process); a forward with autograd off counts no samples: in
+  eval mode (``model.eval()`` then ``torch.no_grad``: an evaluation) its time, until the next
+  training forward, is ``eval``, a planned pause like a checkpoint; in train mode (a frozen
+  teacher wrapped in DDP) it is ``other``.
 
 Not visible without the explicit API: tokens, checkpoints, the job's own step numbers (hence
 re-run steps after a restart), custom phases, and anything a second optimizer does.
@@ -180,8 +182,10 @@ class _Steps:
             return
         try:
             self.in_eval = not self.grad_enabled()
-            if self.in_eval:  # evaluation, a frozen teacher: no training samples, time in other
-                self.switch("other")
+            if self.in_eval:  # no training samples: an evaluation, or a frozen teacher
+                name = "other" if model.training else "eval"
+                if self.cur is not self.m.phase(name):  # one phase for all of its batches
+                    self.switch(name)
                 return
             if self.model() is None:
                 self.model = weakref.ref(model)

@@ -8,6 +8,7 @@ docs/runbook.md (anchor = the lower-cased alert name).
 
 from __future__ import annotations
 
+from ..protocol import PAUSES
 from .recording import RANK_NODE
 from .render import Ctx
 
@@ -99,11 +100,12 @@ def stragglers(c: Ctx) -> list[dict]:
     ]
 
 
-def checkpointing(c: Ctx, by: str) -> str:
-    """The (train_job[, rank]) with a rank saving a checkpoint (its heartbeats' phase) for less
-    than the allowance: a long save makes no step and enters no collective, yet is no stall."""
-    return (f'max by ({by}) (syncwatch_rank_phase_elapsed_seconds{{phase="checkpoint"}})'
-            f" < {c.seconds(c.windows.checkpoint_allowance)}")
+def pausing(c: Ctx, by: str) -> str:
+    """The (train_job[, rank]) with a rank in a planned pause, saving a checkpoint or evaluating
+    (its heartbeats' phase), for less than the allowance: a long save or evaluation makes no
+    step and may enter no collective, yet is no stall."""
+    return (f'max by ({by}) (syncwatch_rank_phase_elapsed_seconds{{phase=~"{"|".join(PAUSES)}"}})'
+            f" < {c.seconds(c.windows.pause_allowance)}")
 
 
 def progress(c: Ctx) -> list[dict]:
@@ -119,7 +121,7 @@ def progress(c: Ctx) -> list[dict]:
               f"  or on (train_job)\n"
               f"  0 * group by (train_job) (syncwatch_rank_info) + {c.seconds(w.stall_min)}\n)\n"
               f"and on (train_job)\ngroup by (train_job) (syncwatch_rank_info)\n"
-              f"unless on (train_job)\n{checkpointing(c, 'train_job')}",
+              f"unless on (train_job)\n{pausing(c, 'train_job')}",
               w.for_stall, "critical",
               "A train job makes no progress although its ranks are alive.",
               f"No rank of train job {JOB} completed a step for {{{{ $value | humanizeDuration }}}} "
@@ -132,7 +134,7 @@ def progress(c: Ctx) -> list[dict]:
               "count by (train_job) (max by (train_job, rank) (syncwatch_rank_info))\n"
               "unless on (train_job)\n"
               "group by (train_job) (syncwatch_last_step_timestamp_seconds)\n"
-              f"unless on (train_job)\n{checkpointing(c, 'train_job')}",
+              f"unless on (train_job)\n{pausing(c, 'train_job')}",
               w.for_first_step, "critical",
               "A train job's ranks are alive but none has completed a step since it started.",
               f"{_num('%.0f')} rank(s) of train job {JOB} report, yet none has completed a step "
@@ -147,7 +149,7 @@ def progress(c: Ctx) -> list[dict]:
                   "    max by (train_job, rank) (syncwatch_collective_sequence)\n  ) > 0\n"
                   "  and on (train_job, rank)\n"
                   f"  max by (train_job, rank) (changes(syncwatch_collective_sequence[{c.d(w.desync)}])) == 0\n"
-                  f"  unless on (train_job, rank)\n  {checkpointing(c, 'train_job, rank')}"),
+                  f"  unless on (train_job, rank)\n  {pausing(c, 'train_job, rank')}"),
               w.for_desync, "critical",
               "A rank is stuck behind the collectives of its train job.",
               f"Rank {RANK} on node {NODE} of train job {JOB} is {_num('%.0f')} collective(s) "

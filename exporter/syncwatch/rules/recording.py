@@ -11,10 +11,11 @@ Rules of one group are evaluated in order, so a rule may use the records above i
 
 from __future__ import annotations
 
+from ..protocol import PAUSES
 from .render import Ctx
 
 SYNC_PHASE = 'syncwatch_phase_seconds_total{phase="sync"}'
-CHECKPOINT_PHASE = 'syncwatch_phase_seconds_total{phase="checkpoint"}'
+PAUSE_PHASES = f'syncwatch_phase_seconds_total{{phase=~"{"|".join(PAUSES)}"}}'
 # One series per (train_job, rank) carrying the rank's node; topk keeps it unique while a
 # restarted rank's previous process (other pid or node) is still within the daemon's rank TTL.
 RANK_NODE = "topk by (train_job, rank) (1, syncwatch_rank_info)"
@@ -67,11 +68,11 @@ def recording_rules(c: Ctx) -> list[dict]:
          "expr": f"avg by (train_job) (rate(syncwatch_steps_total[{r}]))"},
         {"record": "train_job:syncwatch_step_seconds:mean5m",
          "expr": f"{rate_by('syncwatch_step_seconds_total', r)}\n/\n{rate_by('syncwatch_steps_total', r)}"},
-        # less the checkpoint phase (a planned pause, not jitter; the daemon's step_cv reads the
-        # same), which is 0 where no rank reports one
+        # less the checkpoint and eval phases (planned pauses, not jitter; the daemon's step_cv
+        # reads the same), which are 0 where no rank reports one
         {"record": "train_job:syncwatch_step_seconds:mean1m",
          "expr": f"(\n  {rate_by('syncwatch_step_seconds_total', rs)}\n"
-                 f"  - ({rate_by(CHECKPOINT_PHASE, rs)}\n"
+                 f"  - ({rate_by(PAUSE_PHASES, rs)}\n"
                  f"     or 0 * {rate_by('syncwatch_step_seconds_total', rs)})\n)\n"
                  f"/\n({rate_by('syncwatch_steps_total', rs)} > 0)"},
         {"record": "train_job:syncwatch_samples:rate5m",

@@ -55,9 +55,10 @@ class Windows:
     # the stall allowance: no step for max(stall_factor x recent step time, stall_min)
     stall_min: float = 5 * MINUTE
     stall_memory: float = 30 * MINUTE   # how far back "recent step time" may come from
-    # a rank in its checkpoint phase (heartbeats) for less than this is saving, not stuck: the
-    # job is not stalled and the rank not desynchronized (its peers wait in the next collective)
-    checkpoint_allowance: float = 30 * MINUTE
+    # a rank in a planned pause, its checkpoint or eval phase (heartbeats), for less than this
+    # is saving or evaluating, not stuck: the job is not stalled and the rank not desynchronized
+    # (its peers wait in the next collective)
+    pause_allowance: float = 30 * MINUTE
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from ..protocol import PHASES, Cumulative, Encoder, Identity
 from ..sender import Sender
 from ..skew import EXCHANGE_SECONDS, SkewAccumulator, derive, window_size
-from .model import I_CKPT, Model, Params, Restart, StepTruth, lag1_autocorrelation, step_cv
+from .model import (I_CKPT, I_EVAL, I_SYNC, Model, Params, Restart, StepTruth,
+                    lag1_autocorrelation, step_cv)
 
 N_PHASES = len(PHASES)
 
@@ -58,7 +59,8 @@ class GroundTruth:
     recent_last_arrival: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1000))
     recent_skew: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1000))
     # what the daemons' per-rank windows hold: this attempt's step times after its processes'
-    # first step (their warm-up), each less its checkpoint time (a planned pause, not jitter)
+    # first step (their warm-up), each less its checkpoint and eval time (planned pauses, not
+    # jitter)
     window_step_seconds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1000))
     slack_seconds: list[float] = field(default_factory=list)   # per rank, all steps (model truth)
     last_arrivals: list[int] = field(default_factory=list)     # per rank, all steps (model truth)
@@ -343,7 +345,8 @@ class Driver:
         truth.recent_step_seconds.append(s.step_seconds)
         self._process_steps += 1
         if self._process_steps > 1:
-            truth.window_step_seconds.append(max(s.step_seconds - s.phases[0][I_CKPT], 0.0))
+            paused = s.phases[0][I_CKPT] + s.phases[0][I_EVAL]
+            truth.window_step_seconds.append(max(s.step_seconds - paused, 0.0))
         truth.recent_last_arrival.append(s.last_arrivals[0])
         truth.recent_skew.append(s.skew)
         if self.keep_steps:
@@ -389,12 +392,12 @@ class Driver:
 def _phase_at(phases: tuple[float, ...], offset: float) -> tuple[str, float]:
     """The phase a rank is in ``offset`` seconds into its step, and the time spent in it so far.
 
-    Phases run in the order data, forward, backward, optimizer, checkpoint, then sync.
+    Phases run in the order data, forward, backward, optimizer, checkpoint, eval, then sync.
     """
-    order = (0, 1, 2, 3, 5, 4)
+    order = (0, 1, 2, 3, I_CKPT, I_EVAL, I_SYNC)
     t = 0.0
     for k in order:
         if offset < t + phases[k]:
             return PHASES[k], offset - t
         t += phases[k]
-    return "sync", max(0.0, offset - (t - phases[4]))
+    return "sync", max(0.0, offset - (t - phases[I_SYNC]))

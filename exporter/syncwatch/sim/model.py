@@ -2,8 +2,9 @@
 
 Pure Python, one seeded ``random.Random``: the same parameters and seed give the same run.
 
-Every step, every rank computes its phases (data, forward, backward, optimizer, and checkpoint
-every ``checkpoint_every`` steps) and then enters the gradient collective:
+Every step, every rank computes its phases (data, forward, backward, optimizer, a checkpoint
+every ``checkpoint_every`` steps and an evaluation every ``eval_every``) and then enters the
+gradient collective:
 
     arrival_i   = sum of rank i's compute phases (all ranks start the step together)
     release     = max_i arrival_i + collective time (x congestion factor during an episode)
@@ -28,7 +29,7 @@ from dataclasses import dataclass, replace
 from ..protocol import PHASES
 
 COMPUTE_PHASES = ("data", "forward", "backward", "optimizer")
-I_DATA, I_SYNC, I_CKPT = PHASES.index("data"), PHASES.index("sync"), PHASES.index("checkpoint")
+I_DATA, I_SYNC, I_CKPT, I_EVAL = (PHASES.index(name) for name in ("data", "sync", "checkpoint", "eval"))
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class Params:
     oscillation: float = 0.0                # compute x (1 + a) on odd steps, x (1 - a) on even
     checkpoint_every: int = 0               # checkpoint phase every this many steps (0 = never)
     checkpoint_seconds: float = 0.0         # its duration on every rank, x compute_seconds
+    eval_every: int = 0                     # eval phase every this many steps (0 = never)
+    eval_seconds: float = 0.0               # its duration on every rank, x compute_seconds
     fail_after: tuple[int, ...] = ()        # fail after this many executed steps (each), resume
     restart_seconds: float = 5.0            # time from a failure to the first step of the new attempt
     samples_per_step: float = 32.0          # samples per rank per step
@@ -72,7 +75,7 @@ class Params:
         if not 0 < self.compute_seconds < math.inf:
             raise ValueError(f"compute_seconds must be positive and finite, not {self.compute_seconds}")
         for name in ("collective_seconds", "stall_seconds", "stall_cap", "congestion_factor",
-                     "checkpoint_seconds", "restart_seconds", "samples_per_step"):
+                     "checkpoint_seconds", "eval_seconds", "restart_seconds", "samples_per_step"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be >= 0 and finite, not {getattr(self, name)}")
         if not self.straggler_slowdown > -1:
@@ -84,10 +87,10 @@ class Params:
                                  f"must stay positive, not {getattr(self, name)}")
         if self.thermal_period_steps < 1 or not self.stall_alpha > 0:
             raise ValueError("thermal_period_steps must be >= 1 and stall_alpha > 0")
-        if min(self.checkpoint_every, self.congestion_every, self.congestion_steps,
-               *self.fail_after) < 0:
-            raise ValueError("checkpoint_every, congestion_every, congestion_steps and fail_after "
-                             "must be >= 0")
+        if min(self.checkpoint_every, self.eval_every, self.congestion_every,
+               self.congestion_steps, *self.fail_after) < 0:
+            raise ValueError("checkpoint_every, eval_every, congestion_every, congestion_steps and "
+                             "fail_after must be >= 0")
         if self.fail_after and not self.checkpoint_every:
             raise ValueError("restarts need checkpoint_every > 0 to resume from")
         if self.straggler_rank >= self.world_size:
@@ -103,7 +106,7 @@ class Params:
 
 @dataclass(slots=True)
 class StepTruth:
-    """One executed step, exactly. ``phases[i]`` is rank i's 7 phase durations (``PHASES`` order)."""
+    """One executed step, exactly. ``phases[i]`` is rank i's phase durations (``PHASES`` order)."""
     step: int                      # the job's step number (goes back after a restart)
     attempt: int
     start: float                   # virtual time the step started (all ranks)
@@ -202,6 +205,8 @@ class Model:
         straggling = p.straggler_rank >= 0 and step >= p.straggler_from_step
         ckpt = (p.checkpoint_seconds * p.compute_seconds
                 if p.checkpoint_every and step % p.checkpoint_every == 0 else 0.0)
+        evaluation = (p.eval_seconds * p.compute_seconds
+                      if p.eval_every and step % p.eval_every == 0 else 0.0)
         split = [f * p.compute_seconds for f in p.phase_split]
         gauss, rand = rng.gauss, rng.random
         phases, arrivals = [], []
@@ -213,7 +218,7 @@ class Model:
             if rand() < p.stall_probability:
                 comp[0] += self._stall()      # a stall lands in data loading (GC, I/O, page faults)
             phases.append(comp)
-            arrivals.append(sum(comp) + ckpt)
+            arrivals.append(sum(comp) + ckpt + evaluation)
         if self._congested_left == 0 and (
                 (p.congestion_every and step % p.congestion_every == 0)
                 or rand() < self.congestion_probability()):
@@ -224,7 +229,7 @@ class Model:
         collective = p.collective_seconds * p.compute_seconds * (p.congestion_factor if congested else 1.0)
         release = max(arrivals) + collective
         waits = tuple(release - a for a in arrivals)
-        full = [(c[0], c[1], c[2], c[3], w, ckpt, 0.0) for c, w in zip(phases, waits)]
+        full = [(c[0], c[1], c[2], c[3], w, ckpt, 0.0, evaluation) for c, w in zip(phases, waits)]
         truth = StepTruth(step, self.attempt, self.time, release, waits, full, congested)
         self.time += release
         self.step = step
