@@ -5,10 +5,11 @@ on (``Model.p`` is read on every step), and the score read 15 minutes after onse
 rules' windows (5m means, a 30m baseline ending 10m back, 1h re-run window) need to see a change.
 The score is computed here exactly as the recording rules compute it, from the same thresholds
 (``syncwatch.rules.thresholds``), on what the daemon would export: the rolling step CV and lag-1
-autocorrelation over the last W = 100 steps (each step less its checkpoint phase, as the daemon
-reads them), the barrier skew (max - min wait) per step, re-run steps per executed step, and
-restarts in the last hour. ``checkpointing`` is the healthy cluster with a 20 s checkpoint every
-300 steps from the start: healthy too.
+autocorrelation over the last W = 100 steps (each step less its checkpoint and eval phases, as
+the daemon reads them), the barrier skew (max - min wait) per step, re-run steps per executed
+step, and restarts in the last hour. ``checkpointing`` is the healthy cluster with a 20 s
+checkpoint every 300 steps from the start, ``evaluating`` with a 60 s evaluation every 500 steps:
+healthy too.
 
     python benchmarks/calibrate_instability.py [--seeds 3] [--nodes 4] [--ranks-per-node 8]
 
@@ -27,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
 
 from syncwatch.rules.thresholds import THRESHOLDS as T, WINDOWS as WIN  # noqa: E402
-from syncwatch.sim.model import I_CKPT, Model, Restart, lag1_autocorrelation, step_cv  # noqa: E402
+from syncwatch.sim.model import I_CKPT, I_EVAL, Model, Restart, lag1_autocorrelation, step_cv  # noqa: E402
 from syncwatch.sim.scenarios import scenario_params  # noqa: E402
 
 W = 100          # the daemon's rolling window (steps)
@@ -35,11 +36,13 @@ WARMUP = 40 * 60.0
 AFTER = 15 * 60.0
 COMPONENTS = ("cv", "cv_counters", "cv_growth", "skew", "skew_growth", "oscillation", "rerun",
               "restarts")
-SCENARIOS = ("healthy", "checkpointing", "straggler", "oscillation", "congestion", "thermal",
-             "restarts")
-HEALTHY = ("healthy", "checkpointing")  # target < 0.2; the others > 0.5
-# healthy, with a 20 s checkpoint every 300 steps of 1 s from the start: planned pauses, not jitter
-CHECKPOINTING = dict(checkpoint_every=300, checkpoint_seconds=20.0)
+SCENARIOS = ("healthy", "checkpointing", "evaluating", "straggler", "oscillation", "congestion",
+             "thermal", "restarts")
+HEALTHY = ("healthy", "checkpointing", "evaluating")  # target < 0.2; the others > 0.5
+# healthy, with planned pauses (not jitter) from the start among steps of 1 s: a 20 s checkpoint
+# every 300 steps, a 60 s evaluation every 500
+PAUSED = {"checkpointing": dict(checkpoint_every=300, checkpoint_seconds=20.0),
+          "evaluating": dict(eval_every=500, eval_seconds=60.0)}
 
 
 def clamp01(x: float) -> float:
@@ -51,14 +54,14 @@ def component(value: float, ok: float, bad: float) -> float:
 
 
 def run(name: str, seed: int, nodes: int, rpn: int) -> dict[str, float]:
-    if name == "checkpointing":
-        healthy = degraded = scenario_params("healthy", nodes, rpn, **CHECKPOINTING)
+    if name in PAUSED:
+        healthy = degraded = scenario_params("healthy", nodes, rpn, **PAUSED[name])
     else:
         healthy, degraded = scenario_params("healthy", nodes, rpn), scenario_params(name, nodes, rpn)
     if name == "straggler":
         degraded = replace(degraded, straggler_from_step=0)
     model = Model(healthy, seed)
-    # (time, rolling cv, rolling autocorr, skew, step seconds, rerun, executed, step less checkpoint)
+    # (time, rolling cv, rolling autocorr, skew, step seconds, rerun, executed, step less pauses)
     samples = []
     recent: list[float] = []
     onset = None
@@ -76,7 +79,8 @@ def run(name: str, seed: int, nodes: int, rpn: int) -> dict[str, float]:
             restarts.append(model.time)
             recent = []     # a new process: the daemon's rolling window starts over
             continue
-        paced = ev.step_seconds - ev.phases[0][I_CKPT]  # as the daemon's window and mean1m read it
+        # as the daemon's window and mean1m read it
+        paced = ev.step_seconds - ev.phases[0][I_CKPT] - ev.phases[0][I_EVAL]
         recent = (recent + [paced])[-W:]
         samples.append((model.time, step_cv(recent), lag1_autocorrelation(recent), ev.skew,
                         ev.step_seconds, rerun, model.executed, paced))
