@@ -8,8 +8,9 @@ The score is computed here exactly as the recording rules compute it, from the s
 autocorrelation over the last W = 100 steps (each step less its checkpoint and eval phases, as
 the daemon reads them), the barrier skew (max - min wait) per step, re-run steps per executed
 step, and restarts in the last hour. ``checkpointing`` is the healthy cluster with a 20 s
-checkpoint every 300 steps from the start, ``evaluating`` with a 60 s evaluation every 500 steps:
-healthy too.
+checkpoint every 300 steps from the start, ``rank0-saves`` the same on global rank 0 alone (the
+others wait for it in the collective; the CV read is rank 0's, the least disturbed rank's, as the
+rules read it), ``evaluating`` with a 60 s evaluation every 500 steps: healthy too.
 
     python benchmarks/calibrate_instability.py [--seeds 3] [--nodes 4] [--ranks-per-node 8]
 
@@ -36,12 +37,13 @@ WARMUP = 40 * 60.0
 AFTER = 15 * 60.0
 COMPONENTS = ("cv", "cv_counters", "cv_growth", "skew", "skew_growth", "oscillation", "rerun",
               "restarts")
-SCENARIOS = ("healthy", "checkpointing", "evaluating", "straggler", "oscillation", "congestion",
-             "thermal", "restarts")
-HEALTHY = ("healthy", "checkpointing", "evaluating")  # target < 0.2; the others > 0.5
+SCENARIOS = ("healthy", "checkpointing", "rank0-saves", "evaluating", "straggler", "oscillation",
+             "congestion", "thermal", "restarts")
+HEALTHY = ("healthy", "checkpointing", "rank0-saves", "evaluating")  # target < 0.2; others > 0.5
 # healthy, with planned pauses (not jitter) from the start among steps of 1 s: a 20 s checkpoint
 # every 300 steps, a 60 s evaluation every 500
 PAUSED = {"checkpointing": dict(checkpoint_every=300, checkpoint_seconds=20.0),
+          "rank0-saves": dict(checkpoint_every=300, checkpoint_seconds=20.0, rank0_pauses=True),
           "evaluating": dict(eval_every=500, eval_seconds=60.0)}
 
 

@@ -149,11 +149,14 @@ def build() -> db.Dashboard:
             .min(0).legend(legend_table("mean", "max", "lastNotNull")))
         .with_panel(
             panel(timeseries.Panel(), "Step time CV",
-                  "Coefficient of variation of step time over each rank's last W steps (mean and "
-                  "worst rank). Synchronous ranks share one step time, so the lines agree; growth "
-                  "is the early sign of coupling.",
-                  query(f'avg by (train_job) (syncwatch_step_cv{{{JOB}}})', "mean over ranks"),
-                  query(f'train_job:syncwatch_step_cv:max{{{JOB}}}', "worst rank"),
+                  "Coefficient of variation of step time over each rank's last W steps, each "
+                  "step less the rank's own checkpoint and eval time. Synchronous ranks share one "
+                  "step time, so the lines agree, unless ranks waited through a peer's checkpoint "
+                  "or evaluation (rank 0 saving alone): those waits are the worst rank's, which "
+                  "the alerts leave out by reading the least disturbed rank. Growth is the early "
+                  "sign of coupling.",
+                  query(f'train_job:syncwatch_step_cv:min{{{JOB}}}', "least disturbed rank (alerts)"),
+                  query(f'max by (train_job) (syncwatch_step_cv{{{JOB}}})', "worst rank"),
                   unit="percentunit", w=8)
             .min(0))
         .with_panel(

@@ -169,6 +169,27 @@ def test_evaluations_are_exported_as_eval_and_left_out_of_the_cv(cluster):
     assert step_cv([st.step_seconds for st in truth.steps[-100:]]) > 1
 
 
+def test_a_checkpoint_on_rank_0_alone_is_its_peers_sync(cluster):
+    """Rank 0 saves 20 step times every 40 steps while rank 1 waits for it in the collective:
+    rank 1 counts the save as sync and its CV holds it (above 1), rank 0's leaves it out (the
+    truth's, a few percent): the job's CV is its least disturbed rank's
+    (``train_job:syncwatch_step_cv:min``)."""
+    daemons = cluster(1)
+    truth, scraped = run_through(daemons, "healthy", 1, 2, 200, params=dict(
+        checkpoint_every=40, checkpoint_seconds=20.0, rank0_pauses=True))
+    sm, job = scraped[0], truth.job
+    ckpt = {r: value(sm, "syncwatch_phase_seconds_total", phase="checkpoint", train_job=job, rank=r)
+            for r in (0, 1)}
+    sync = {r: value(sm, "syncwatch_phase_seconds_total", phase="sync", train_job=job, rank=r)
+            for r in (0, 1)}
+    assert ckpt == {0: pytest.approx(100.0), 1: 0.0}
+    assert sync[1] - sync[0] == pytest.approx(100.0, abs=2.0)  # jitter aside
+    assert [t.checkpoints for t in truth.reported] == [5, 0]
+    cv = {r: value(sm, "syncwatch_step_cv", train_job=job, rank=r) for r in (0, 1)}
+    assert cv[0] == pytest.approx(truth.cv(100), rel=1e-9) and cv[0] < 0.1
+    assert cv[1] > 1
+
+
 def test_truths_window_is_the_daemons_after_a_restart(cluster):
     """After a restart the daemon's window holds only the new processes' steps after their first:
     31 steps into attempt 1 (steps 101..131), 30 of them, none of attempt 0's."""

@@ -321,7 +321,7 @@ def detect_oscillation(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
                    f"(step CV {pct(s['step_cv'])}).",
         evidence=[{"series": "syncwatch_step_autocorrelation (mean over ranks)", "value": round(ac, 3),
                    "reading": "strongly negative: a long step is followed by a short one"},
-                  {"series": "syncwatch_step_cv (mean over ranks)", "value": round(s["step_cv"] or 0, 4),
+                  {"series": "syncwatch_step_cv (least disturbed rank)", "value": round(s["step_cv"] or 0, 4),
                    "reading": f"{pct(s['step_cv'])} step-time variation"}],
         cause="A feedback loop around the synchronization point: work that one step defers lands on the "
               "next (prefetch or data-loader refill racing compute, alternating bucket or pipeline "

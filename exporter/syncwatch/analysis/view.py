@@ -355,7 +355,8 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
     return JobView(
         job=job, source=prom.url, start=start, end=end, window=width, times=times,
         rank_node=rank_node, per_rank=per_rank,
-        cv=job_series(f"avg(syncwatch_step_cv{{{sel}}})"),
+        # the least disturbed rank's, as the rules read it (train_job:syncwatch_step_cv:min)
+        cv=job_series(f"min(syncwatch_step_cv{{{sel}}})"),
         autocorrelation=job_series(f"avg(syncwatch_step_autocorrelation{{{sel}}})"),
         restarts=job_series(f"max(syncwatch_job_restarts_total{{{sel}}})"),
         rerun_steps=job_series(f"max(syncwatch_job_rerun_steps_total{{{sel}}})"),

@@ -16,6 +16,7 @@ from .render import Ctx
 
 SYNC_PHASE = 'syncwatch_phase_seconds_total{phase="sync"}'
 PAUSE_PHASES = f'syncwatch_phase_seconds_total{{phase=~"{"|".join(PAUSES)}"}}'
+RANK = "train_job, rank"  # per-rank aggregation: the instance (its node's daemon) never splits one
 # One series per (train_job, rank) carrying the rank's node; topk keeps it unique while a
 # restarted rank's previous process (other pid or node) is still within the daemon's rank TTL.
 RANK_NODE = "topk by (train_job, rank) (1, syncwatch_rank_info)"
@@ -68,13 +69,15 @@ def recording_rules(c: Ctx) -> list[dict]:
          "expr": f"avg by (train_job) (rate(syncwatch_steps_total[{r}]))"},
         {"record": "train_job:syncwatch_step_seconds:mean5m",
          "expr": f"{rate_by('syncwatch_step_seconds_total', r)}\n/\n{rate_by('syncwatch_steps_total', r)}"},
-        # less the checkpoint and eval phases (planned pauses, not jitter; the daemon's step_cv
-        # reads the same), which are 0 where no rank reports one
+        # each rank's, less its checkpoint and eval phases (planned pauses, not jitter; the
+        # daemon's step_cv reads the same), which are 0 where it reports none; the least
+        # disturbed rank's, as for the CV (train_job:syncwatch_step_cv:min)
         {"record": "train_job:syncwatch_step_seconds:mean1m",
-         "expr": f"(\n  {rate_by('syncwatch_step_seconds_total', rs)}\n"
-                 f"  - ({rate_by(PAUSE_PHASES, rs)}\n"
-                 f"     or 0 * {rate_by('syncwatch_step_seconds_total', rs)})\n)\n"
-                 f"/\n({rate_by('syncwatch_steps_total', rs)} > 0)"},
+         "expr": f"min by (train_job) (\n"
+                 f"  (\n    {rate_by('syncwatch_step_seconds_total', rs, RANK)}\n"
+                 f"    - ({rate_by(PAUSE_PHASES, rs, RANK)}\n"
+                 f"       or 0 * {rate_by('syncwatch_step_seconds_total', rs, RANK)})\n  )\n"
+                 f"  /\n  ({rate_by('syncwatch_steps_total', rs, RANK)} > 0)\n)"},
         {"record": "train_job:syncwatch_samples:rate5m",
          "expr": rate_by("syncwatch_samples_total", r)},
         {"record": "train_job:syncwatch_tokens:rate5m",
@@ -134,12 +137,16 @@ def recording_rules(c: Ctx) -> list[dict]:
                  f"  sum by (train_job) (train_job_rank:syncwatch_last_arrival:ratio10m)\n)\n"
                  f"unless on (train_job)\n{exact}"},
         # --- variance: per-step CV from the ranks' rolling windows, and from counters
-        {"record": "train_job:syncwatch_step_cv:max",
-         "expr": "max by (train_job) (syncwatch_step_cv)"},
+        # the least disturbed rank's: the ranks of a synchronous job share one step time, each
+        # less its own planned pauses; a rank that waited in a collective while a peer saved a
+        # checkpoint or evaluated (rank 0 alone, as in torch's DDP tutorial) counts that wait as
+        # its sync, and its CV held the job's far over the variance threshold
+        {"record": "train_job:syncwatch_step_cv:min",
+         "expr": "min by (train_job) (syncwatch_step_cv)"},
         {"record": "train_job:syncwatch_step_cv:avg5m",
-         "expr": f"avg_over_time(train_job:syncwatch_step_cv:max[{r}])"},
+         "expr": f"avg_over_time(train_job:syncwatch_step_cv:min[{r}])"},
         {"record": "train_job:syncwatch_step_cv:baseline",
-         "expr": f"avg_over_time(train_job:syncwatch_step_cv:max[{c.d(w.baseline)}] "
+         "expr": f"avg_over_time(train_job:syncwatch_step_cv:min[{c.d(w.baseline)}] "
                  f"offset {c.d(w.baseline_offset)})"},
         {"record": "train_job:syncwatch_step_cv:growth",
          "expr": f"train_job:syncwatch_step_cv:avg5m\n/\n"

@@ -311,7 +311,7 @@ class Driver:
             for k in range(N_PHASES):
                 r.phase_seconds[k] += ph[k]
             r.samples += p.samples_per_step
-            r.checkpoints += checkpoint
+            r.checkpoints += checkpoint and (i == 0 or not p.rank0_pauses)
             r.seq += 1
             r.last_step = s.step
             r.last_step_wall = wall

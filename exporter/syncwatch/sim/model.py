@@ -60,6 +60,8 @@ class Params:
     checkpoint_seconds: float = 0.0         # its duration on every rank, x compute_seconds
     eval_every: int = 0                     # eval phase every this many steps (0 = never)
     eval_seconds: float = 0.0               # its duration on every rank, x compute_seconds
+    rank0_pauses: bool = False              # checkpoints and evaluations on global rank 0 only
+    # (torch's DDP tutorial saves from rank 0): the others wait for it in the collective (sync)
     fail_after: tuple[int, ...] = ()        # fail after this many executed steps (each), resume
     restart_seconds: float = 5.0            # time from a failure to the first step of the new attempt
     samples_per_step: float = 32.0          # samples per rank per step
@@ -209,7 +211,7 @@ class Model:
                       if p.eval_every and step % p.eval_every == 0 else 0.0)
         split = [f * p.compute_seconds for f in p.phase_split]
         gauss, rand = rng.gauss, rng.random
-        phases, arrivals = [], []
+        phases, arrivals, pauses = [], [], []
         for i in range(p.world_size):
             factor = osc * node_factor[i // R] * max(0.5, 1.0 + p.jitter * gauss(0.0, 1.0))
             if straggling and i == p.straggler_rank:
@@ -218,7 +220,9 @@ class Model:
             if rand() < p.stall_probability:
                 comp[0] += self._stall()      # a stall lands in data loading (GC, I/O, page faults)
             phases.append(comp)
-            arrivals.append(sum(comp) + ckpt + evaluation)
+            paused = (ckpt, evaluation) if i == 0 or not p.rank0_pauses else (0.0, 0.0)
+            pauses.append(paused)
+            arrivals.append(sum(comp) + sum(paused))
         if self._congested_left == 0 and (
                 (p.congestion_every and step % p.congestion_every == 0)
                 or rand() < self.congestion_probability()):
@@ -229,7 +233,8 @@ class Model:
         collective = p.collective_seconds * p.compute_seconds * (p.congestion_factor if congested else 1.0)
         release = max(arrivals) + collective
         waits = tuple(release - a for a in arrivals)
-        full = [(c[0], c[1], c[2], c[3], w, ckpt, 0.0, evaluation) for c, w in zip(phases, waits)]
+        full = [(c[0], c[1], c[2], c[3], w, ck, 0.0, ev)
+                for c, w, (ck, ev) in zip(phases, waits, pauses)]
         truth = StepTruth(step, self.attempt, self.time, release, waits, full, congested)
         self.time += release
         self.step = step
