@@ -334,6 +334,35 @@ def test_exchange_windows_and_results_feed_slack_and_rank0_skew(rx):
     m2.shutdown()
 
 
+def test_the_exchange_compares_a_steps_waits_and_its_own_pauses(rx):
+    """The exchanged value of a step is its time off its own compute: every collective wait
+    (the gradient wait and a barrier after it) plus its checkpoint and eval phases. Rank 0 saving
+    30 ms and its peer waiting for it in a barrier both idle 30 ms: no skew from the save."""
+    ex = FakeExchange()
+    m = make_monitor(rx, exchange=ex, exchange_every=3)
+    with m.phase("forward"):
+        time.sleep(0.005)
+    m.step(1)                                  # no wait, no pause: 0
+    with m.phase("checkpoint"):
+        time.sleep(0.03)
+    with m.phase("eval"):
+        time.sleep(0.02)
+    m.step(1)                                  # the pauses: 50 ms
+    m.bucket_ready()
+    time.sleep(0.01)
+    m.grads_synced()
+    m.timed_collective(lambda: time.sleep(0.02), (), {}, 0)
+    m.step(1)                                  # gradient wait 10 ms + a barrier's 20 ms
+    m.flush()
+    (window,) = ex.windows
+    assert window[0] < 0.002
+    assert 0.05 <= window[1] < 0.07, window
+    assert 0.03 <= window[2] < 0.045, window
+    r = steps(rx, 3)[2]
+    assert 0.01 <= r.wait_seconds < 0.015  # the record's wait stays the gradient wait
+    m.shutdown()
+
+
 def test_window_size_after_the_first_takes_the_target_seconds_at_most_k():
     from syncwatch.skew import window_size
     assert window_size(10.0, 50, 30.0) == 3

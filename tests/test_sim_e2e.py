@@ -173,7 +173,7 @@ def test_a_checkpoint_on_rank_0_alone_is_its_peers_sync(cluster):
     """Rank 0 saves 20 step times every 40 steps while rank 1 waits for it in the collective:
     rank 1 counts the save as sync and its CV holds it (above 1), rank 0's leaves it out (the
     truth's, a few percent): the job's CV is its least disturbed rank's
-    (``train_job:syncwatch_step_cv:min``)."""
+    (``train_job:syncwatch_step_cv:min``). Nor is the save slack or skew."""
     daemons = cluster(1)
     truth, scraped = run_through(daemons, "healthy", 1, 2, 200, params=dict(
         checkpoint_every=40, checkpoint_seconds=20.0, rank0_pauses=True))
@@ -188,6 +188,12 @@ def test_a_checkpoint_on_rank_0_alone_is_its_peers_sync(cluster):
     cv = {r: value(sm, "syncwatch_step_cv", train_job=job, rank=r) for r in (0, 1)}
     assert cv[0] == pytest.approx(truth.cv(100), rel=1e-9) and cv[0] < 0.1
     assert cv[1] > 1
+    # the exact exchange compares waits plus own pauses: both ranks idled through the save, so
+    # it is no slack for rank 1 (100 s with the waits alone) and no skew
+    slack = {r: value(sm, "syncwatch_slack_seconds_total", train_job=job, rank=r) for r in (0, 1)}
+    assert slack == {r: pytest.approx(truth.reported[r].slack_seconds, rel=1e-9) for r in (0, 1)}
+    assert max(slack.values()) < 5.0
+    assert value(sm, "syncwatch_barrier_skew_seconds_sum", train_job=job) < 5.0
 
 
 def test_truths_window_is_the_daemons_after_a_restart(cluster):

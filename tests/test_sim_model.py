@@ -31,10 +31,32 @@ def test_wait_identity_and_exact_skew():
             assert sum(ph) == pytest.approx(s.step_seconds, rel=1e-12)  # phases add to the step
         last = max(range(len(arrivals)), key=arrivals.__getitem__)
         assert last in s.last_arrivals
-        assert s.min_wait == pytest.approx(p.collective_seconds * (p.congestion_factor if s.congested else 1))
+        # the least idle time: the collective's, plus the checkpoint every rank took alike
+        assert s.min_wait == pytest.approx(
+            p.collective_seconds * (p.congestion_factor if s.congested else 1)
+            + s.phases[0][PHASES.index("checkpoint")])
         assert s.skew == pytest.approx(max(s.slack) - min(s.slack))
         assert min(s.slack) == 0.0
         assert s.skew == pytest.approx(max(arrivals) - min(arrivals), abs=1e-12)
+
+
+def test_a_pause_on_rank_0_alone_is_no_skew():
+    """Rank 0 saves alone (``rank0_pauses``) and the others wait for it: their idle times (wait
+    plus own pause) stay those of the compute alone, so the save is no skew and rank 0 no last
+    arrival because of it."""
+    ck = PHASES.index("checkpoint")
+    p = Params(nodes=2, ranks_per_node=4, checkpoint_every=5, checkpoint_seconds=3.0,
+               rank0_pauses=True)
+    saves = 0
+    for s in steps_of(p, 100):
+        compute = [sum(ph) - ph[SYNC] - ph[ck] for ph in s.phases]
+        assert s.skew == pytest.approx(max(compute) - min(compute), abs=1e-9)
+        assert s.skew < 0.2
+        if s.phases[0][ck]:
+            saves += 1
+            assert all(ph[ck] == 0 for ph in s.phases[1:])
+            assert min(s.waits[1:]) > 3.0 > s.waits[0]  # the others waited through the save
+    assert saves == 20
 
 
 def test_derive_over_a_window_equals_per_step_truth():

@@ -31,8 +31,8 @@ import statistics
 import threading
 import time
 
-from ..protocol import (MAX_ATTEMPT, MAX_STEP, MAX_TOTAL, PHASE_INDEX, Cumulative, Encoder,
-                        Identity)
+from ..protocol import (MAX_ATTEMPT, MAX_STEP, MAX_TOTAL, PAUSES, PHASE_INDEX, Cumulative,
+                        Encoder, Identity)
 from ..skew import EXCHANGE_SECONDS, SkewAccumulator, window_size
 from .clock import HostClock
 from .notes import Notes
@@ -42,6 +42,7 @@ log = logging.getLogger("syncwatch.instrument")
 SYNC = PHASE_INDEX["sync"]
 OTHER = PHASE_INDEX["other"]
 CHECKPOINT = PHASE_INDEX["checkpoint"]
+PAUSED = tuple(PHASE_INDEX[name] for name in PAUSES)
 _NPH = len(PHASE_INDEX)
 MAX_PENDING = 64  # lazily timed (CUDA) steps waiting for their events; beyond this the oldest go
 MAX_ENTRIES = 1 << 16  # hot-path entries waiting for the records thread (~4 k steps)
@@ -121,7 +122,7 @@ class Monitor:
         self._begun = False      # a phase began or a step ended: the first step has its start
         self._first_start = None  # the first step's start where it is its first phase's start
         self._pending: collections.deque = collections.deque()  # lazily timed steps
-        self._window: list[float] = []        # waits not yet exchanged
+        self._window: list[float] = []        # idle times (waits, pauses) not yet exchanged
         self._window_steps: list[float] = []  # and their step times
         self._k = self.exchange_every  # the next window's size; 0 until the first one's result
         self._sized = False            # the first result has sized the windows after it
@@ -436,7 +437,12 @@ class Monitor:
         t.tokens += tokens
         if self.exchange_every:
             self._take_results()
-            self._window.append(wait)
+            # what the exchange compares: the step's time not spent on its own compute, its
+            # collective waits and its planned pauses. A rank saving a checkpoint alone (rank 0)
+            # arrives late by the save, and its peers wait for it, in the gradient all-reduce or
+            # a barrier: counted so, every rank idles the same and the save is no skew; the
+            # gradient wait alone made rank 0 the last arrival by the whole save
+            self._window.append(phases[SYNC] + sum(phases[i] for i in PAUSED))
             self._window_steps.append(step_s)
             self._cut_windows()
         self._last = (number, wall, step_s, wait, phases, seq, samples, tokens, encoder)

@@ -300,7 +300,8 @@ class Driver:
         p = self.p
         end = s.start + s.step_seconds
         wall = self._wall(end)
-        lo = s.min_wait
+        idle = s.idle  # waits and own pauses: what the exchange compares
+        lo = min(idle)
         # a checkpoint step counts one whatever its duration (checkpoint_seconds may be 0), as
         # the monitor counts every checkpoint phase: the model resumes restarts from them
         checkpoint = bool(p.checkpoint_every) and s.step % p.checkpoint_every == 0
@@ -317,7 +318,7 @@ class Driver:
             r.last_step_wall = wall
         # the model's truth, whether processes run or not (none after a run: a driver that runs
         # again, as the hardware tests step one, still keeps every step's truth)
-        for i, w in enumerate(s.waits):
+        for i, w in enumerate(idle):
             truth.slack_seconds[i] += w - lo
             if w <= lo:
                 truth.last_arrivals[i] += 1
@@ -353,12 +354,14 @@ class Driver:
             truth.steps.append(s)
 
     def _exchange(self) -> None:
-        """The MIN/MAX all-reduce of the window's waits, then ``derive`` on every rank."""
+        """The MIN/MAX all-reduce of the window's idle times (waits and own pauses), then
+        ``derive`` on every rank."""
         window = self._window_steps
-        mins = [min(s.waits) for s in window]
-        maxs = [max(s.waits) for s in window]
+        idle = [s.idle for s in window]
+        mins = [min(x) for x in idle]
+        maxs = [max(x) for x in idle]
         for i, r in enumerate(self.ranks):
-            res = derive([s.waits[i] for s in window], mins, maxs)
+            res = derive([x[i] for x in idle], mins, maxs)
             r.slack += res.slack_seconds
             r.last_arrivals += res.last_arrivals
             if i == 0:

@@ -118,23 +118,31 @@ class StepTruth:
     congested: bool
 
     @property
+    def idle(self) -> tuple[float, ...]:
+        """Each rank's time not spent on its compute: its wait and its own planned pauses, what
+        the skew exchange compares (a pause all ranks take alike changes no slack or skew)."""
+        return tuple(w + ph[I_CKPT] + ph[I_EVAL] if ph[I_CKPT] or ph[I_EVAL] else w
+                     for w, ph in zip(self.waits, self.phases))
+
+    @property
     def min_wait(self) -> float:
-        return min(self.waits)
+        return min(self.idle)
 
     @property
     def skew(self) -> float:
-        return max(self.waits) - min(self.waits)
+        idle = self.idle
+        return max(idle) - min(idle)
 
     @property
     def slack(self) -> tuple[float, ...]:
         lo = self.min_wait
-        return tuple(w - lo for w in self.waits)
+        return tuple(w - lo for w in self.idle)
 
     @property
     def last_arrivals(self) -> tuple[int, ...]:
-        """Ranks with the smallest wait (ties count for each, as ``skew.derive`` counts them)."""
+        """Ranks with the least idle time (ties count for each, as ``skew.derive`` counts them)."""
         lo = self.min_wait
-        return tuple(i for i, w in enumerate(self.waits) if w <= lo)
+        return tuple(i for i, w in enumerate(self.idle) if w <= lo)
 
 
 @dataclass(slots=True)
