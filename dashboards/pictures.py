@@ -19,11 +19,12 @@ from .sandbox import Sandbox, Snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 
-#: The job every per-job picture shows: a persistent straggler on a hot GPU, restarting once.
+#: The job every per-job picture shows: a persistent straggler on a hot GPU, restarting once,
+#: checkpointing and evaluating now and then.
 FOCUS = "llm-pretrain"
 JOBS = {
     FOCUS: ("straggler", {"checkpoint_every": 100, "checkpoint_seconds": 0.5, "fail_after": (650,),
-                          "restart_seconds": 10.0}),
+                          "restart_seconds": 10.0, "eval_every": 150, "eval_seconds": 2.0}),
     "vision-finetune": "healthy",
     "recsys-ranker": "oscillation",
     "speech-asr": "restarts",
