@@ -1394,11 +1394,14 @@ def test_default_ddp_path_registers_no_comm_hook_and_waits_for_the_collectives(r
         m.shutdown()
 
 
-def test_a_step_with_two_gradient_syncs_waits_their_sum(rx, ddp_world1):
+@pytest.mark.parametrize("path", ["hook-free", "wrapper"])
+def test_a_step_with_two_gradient_syncs_waits_their_sum(rx, ddp_world1, path):
     """Two DDP models in one step (a GAN's discriminator and generator), each all-reduce ending
     50 ms late: the step's wait is both waits, whether each backward has its phase or they share
     one; a second backward that DDP does not synchronize (a loss through the module, without
-    DDP's forward) adds its ~0 where it used to replace the step's real wait."""
+    DDP's forward) adds its ~0 where it used to replace the step's real wait. The same through
+    ``ddp_hook_wrapper``, whose buckets carry their backward: with one shared phase it counted
+    the second model's wait only."""
     torch = ddp_world1
     import syncwatch.instrument as sw
     from syncwatch.instrument import _state
@@ -1407,8 +1410,11 @@ def test_a_step_with_two_gradient_syncs_waits_their_sum(rx, ddp_world1):
     try:
         disc, gen = make_ddp(torch), make_ddp(torch)
         for model in (disc, gen):
-            sw.register(model, collectives=False)
-            model.register_comm_hook(None, late_allreduce_hook)
+            if path == "wrapper":
+                sw.register(model, hook=late_allreduce_hook, collectives=False)
+            else:
+                sw.register(model, collectives=False)
+                model.register_comm_hook(None, late_allreduce_hook)
         x = torch.randn(4, 8)
         with m.phase("backward"):
             disc(x).sum().backward()
@@ -1424,11 +1430,16 @@ def test_a_step_with_two_gradient_syncs_waits_their_sum(rx, ddp_world1):
             disc.module(x).sum().backward()  # not DDP's forward: nothing synchronized
         m.step(4)
         r1, r2, r3 = steps(rx, 3)
+        # each delay runs from its hook's launch, the wait from the end of backward's compute:
+        # less what compute remains after the launch (ms on a loaded machine: 0.096 s seen)
         for r in (r1, r2):
-            assert 0.1 <= r.wait_seconds < 0.3 and r.wait_seconds == phase(r, "sync")
+            assert 0.09 <= r.wait_seconds < 0.3 and r.wait_seconds == phase(r, "sync")
             assert phase(r, "backward") < 0.05
-        assert 0.05 <= r3.wait_seconds < 0.1
-        assert [r.collective_sequence for r in (r1, r2, r3)] == [2, 4, 6]
+        assert 0.045 <= r3.wait_seconds < 0.1
+        # the hook-free path counts DDP's buckets for any backward through the parameters; the
+        # wrapper counts the buckets DDP launched
+        assert [r.collective_sequence for r in (r1, r2, r3)] == (
+            [2, 4, 6] if path == "hook-free" else [2, 4, 5])
         assert r3.totals.internal_errors == 0
     finally:
         _state.set_monitor(None)

@@ -15,7 +15,9 @@ finalize makes wait on the all-reduce work.
 
 With a user's comm hook (``ddp_hook_wrapper``), composing like torch's ``fp16_compress_wrapper``:
 each bucket is marked at hook entry (its gradients are ready) and in a ``.then`` callback (its
-collective is done); the last bucket's difference is the wait. Any Python comm hook costs an
+collective is done); the last bucket's difference is the wait (its backward's: a bucket of another
+backward, by its autograd graph task, ends it, so two wrapped models in one phase both count).
+Any Python comm hook costs an
 extra pass over each bucket (DDP's built-in fuses the 1/world scaling into its copy) and Python
 on the autograd and communication threads, which the hook-free path avoids.
 
@@ -171,13 +173,15 @@ def _bucket_count(model) -> int:
 
 def ddp_hook_wrapper(hook, _enabled=None):
     """Return a DDP comm hook that runs ``hook`` and measures the gradient wait."""
+    import torch
     enabled = _enabled if _enabled is not None else [True]
+    backward = torch._C._current_graph_task_id  # which backward a bucket belongs to
 
     def syncwatch_wrapper_hook(state, bucket):
         m = _state.monitor
         if m is None or not enabled[0]:
             return hook(state, bucket)
-        m.bucket_ready()
+        m.bucket_ready(1, backward())
         _state.in_ddp_hook += 1
         try:
             fut = hook(state, bucket)

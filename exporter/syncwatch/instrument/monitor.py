@@ -60,7 +60,8 @@ MAX_PER_STEP = MAX_TOTAL / 1000
 MAX_NEW_ATTEMPTS = 16
 
 # Entry codes. A phase's start is its index, its end the index + EXIT. Layouts:
-#   (phase, mark) (phase + EXIT, mark) (READY, mark, collectives) (DONE, mark) (SYNCED, mark)
+#   (phase, mark) (phase + EXIT, mark) (READY, mark, collectives[, backward]) (DONE, mark)
+#   (SYNCED, mark)
 #   (COLL, mark) (COLL_END, mark) (SEQ,) (STEP, mark, wall, samples, tokens, step number | None)
 EXIT = 8
 STEP, READY, DONE, COLL, COLL_END, SEQ, SYNCED = 16, 17, 18, 19, 20, 21, 22
@@ -117,6 +118,7 @@ class Monitor:
         self._colls: list = []   # start marks of blocking collectives not yet ended
         self._grads: list = []   # the step's gradient syncs (DDP): (ready, done), also in _sync
         self._ready = None       # mark when the (latest bucket's) gradients were ready
+        self._backward = None    # the latest wrapped bucket's autograd graph task
         self._done = None        # mark when the (latest bucket's) collective was done
         self._step_start = self.clock.mark()  # the first step's: moved to its first phase
         self._begun = False      # a phase began or a step ended: the first step has its start
@@ -151,12 +153,14 @@ class Monitor:
         outside the protocol's phases is ``other``)."""
         return self._phases.get(name) or self._phases["other"]
 
-    def bucket_ready(self, collectives: int = 1) -> None:
+    def bucket_ready(self, collectives: int = 1, backward=None) -> None:
         """Gradients are computed: a DDP bucket's hook entry (wrapper path, autograd thread), or
         all of backward's (hook-free path: its first final callback), launching ``collectives``
-        all-reduces."""
+        all-reduces. ``backward``: the wrapper path's autograd graph task; a bucket of another
+        backward than the last one's ends that backward's wait (two wrapped models whose
+        backwards share a phase)."""
         try:
-            self._put((READY, self._mark(), collectives))
+            self._put((READY, self._mark(), collectives, backward))
         except Exception:
             self._error()
 
@@ -244,6 +248,10 @@ class Monitor:
         """Any entry but a phase's start or end (``flush`` handles those)."""
         code = e[0]
         if code == READY:
+            if len(e) > 3 and e[3] is not None:  # a wrapped bucket
+                if e[3] != self._backward and self._done is not None:
+                    self._close_ddp()  # the first bucket of another backward: the last one's ends
+                self._backward = e[3]
             self.collective_sequence += e[2]
             self._ready = e[1]
             self._sync_begins(host)
