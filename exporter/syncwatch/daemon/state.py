@@ -24,8 +24,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ..protocol import (PAUSES, PHASE_INDEX, REJECT_REASONS, Cumulative, EndRecord, HeartbeatRecord,
-                        Identity, ProtocolError, Record, SkewHistogram, StepRecord)
+from ..protocol import (PAUSES, PHASE_INDEX, REJECT_REASONS, Cumulative, EndRecord,
+                        HeartbeatRecord, Identity, ProtocolError, Record, SkewHistogram,
+                        StepRecord)
 from .config import DaemonConfig
 
 # Histogram buckets (upper bounds, seconds) of the per-node, per-job histograms.

@@ -10,7 +10,8 @@ gradient collective:
     release     = max_i arrival_i + collective time (x congestion factor during an episode)
     wait_i      = release - arrival_i          (rank i's ``sync`` phase)
     step time   = release                      (the same for every rank)
-    slack_i     = wait_i - min_j wait_j,  skew = max_i slack_i,  last arrival = argmin_j wait_j
+    idle_i      = wait_i + rank i's own checkpoint and eval time (what the skew exchange compares)
+    slack_i     = idle_i - min_j idle_j,  skew = max_i slack_i,  last arrival = argmin_j idle_j
 
 A rank's compute time is ``compute_seconds`` x (1 + Gaussian jitter) x its persistent-straggler,
 thermal and oscillation factors, plus a rare heavy-tailed stall (Pareto, capped). Fabric congestion
@@ -29,7 +30,8 @@ from dataclasses import dataclass, replace
 from ..protocol import PHASES
 
 COMPUTE_PHASES = ("data", "forward", "backward", "optimizer")
-I_DATA, I_SYNC, I_CKPT, I_EVAL = (PHASES.index(name) for name in ("data", "sync", "checkpoint", "eval"))
+I_DATA, I_SYNC, I_CKPT, I_EVAL = (PHASES.index(name)
+                                  for name in ("data", "sync", "checkpoint", "eval"))
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,9 @@ class Params:
     thermal_period_steps: int = 400         # its period in steps (each node its own phase)
     oscillation: float = 0.0                # compute x (1 + a) on odd steps, x (1 - a) on even
     checkpoint_every: int = 0               # checkpoint phase every this many steps (0 = never)
-    checkpoint_seconds: float = 0.0         # its duration on every rank, x compute_seconds
+    checkpoint_seconds: float = 0.0         # its duration on every rank (but rank0_pauses), x compute
     eval_every: int = 0                     # eval phase every this many steps (0 = never)
-    eval_seconds: float = 0.0               # its duration on every rank, x compute_seconds
+    eval_seconds: float = 0.0               # its duration on every rank (but rank0_pauses), x compute
     rank0_pauses: bool = False              # checkpoints and evaluations on global rank 0 only
     # (torch's DDP tutorial saves from rank 0): the others wait for it in the collective (sync)
     fail_after: tuple[int, ...] = ()        # fail after this many executed steps (each), resume
