@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
 
 from syncwatch.rules.thresholds import THRESHOLDS as T, WINDOWS as WIN  # noqa: E402
-from syncwatch.sim.model import I_CKPT, I_EVAL, Model, Restart, lag1_autocorrelation, step_cv  # noqa: E402
+from syncwatch.sim.model import (I_CKPT, I_EVAL, Model, Restart,  # noqa: E402
+                                 lag1_autocorrelation, step_cv)
 from syncwatch.sim.scenarios import scenario_params  # noqa: E402
 
 W = 100          # the daemon's rolling window (steps)

@@ -118,13 +118,9 @@ class StepTruth:
     waits: tuple[float, ...]
     phases: list[tuple[float, ...]]
     congested: bool
-
-    @property
-    def idle(self) -> tuple[float, ...]:
-        """Each rank's time not spent on its compute: its wait and its own planned pauses, what
-        the skew exchange compares (a pause all ranks take alike changes no slack or skew)."""
-        return tuple(w + ph[I_CKPT] + ph[I_EVAL] if ph[I_CKPT] or ph[I_EVAL] else w
-                     for w, ph in zip(self.waits, self.phases))
+    # each rank's time off its compute: its wait and its own planned pauses, what the skew
+    # exchange compares (a pause all ranks take alike changes no slack or skew)
+    idle: tuple[float, ...]
 
     @property
     def min_wait(self) -> float:
@@ -132,8 +128,7 @@ class StepTruth:
 
     @property
     def skew(self) -> float:
-        idle = self.idle
-        return max(idle) - min(idle)
+        return max(self.idle) - min(self.idle)
 
     @property
     def slack(self) -> tuple[float, ...]:
@@ -245,7 +240,8 @@ class Model:
         waits = tuple(release - a for a in arrivals)
         full = [(c[0], c[1], c[2], c[3], w, ck, 0.0, ev)
                 for c, w, (ck, ev) in zip(phases, waits, pauses)]
-        truth = StepTruth(step, self.attempt, self.time, release, waits, full, congested)
+        idle = tuple(w + ck + ev for w, (ck, ev) in zip(waits, pauses))
+        truth = StepTruth(step, self.attempt, self.time, release, waits, full, congested, idle)
         self.time += release
         self.step = step
         self.executed += 1
