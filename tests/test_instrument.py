@@ -1208,6 +1208,54 @@ def test_zero_code_counts_the_steps_and_samples_of_a_second_run_in_the_same_proc
     assert [r.samples for r in recs] == [5.0] * 6
 
 
+def test_zero_code_times_only_the_training_threads_own_saves_as_checkpoint(rx):
+    """What a save is under ``syncwatch-run``: on the training thread once the loop has started,
+    ``checkpoint``, and then the phase it interrupted goes on (``data`` after a step, ``eval``
+    within an evaluation); a save within a save (DCP writes with ``torch.save``) as one; a save
+    before the first forward (setup) and one on another thread (an asynchronous checkpointer)
+    no step's. Each timed save sleeps 0.1 s, each untimed one 0.4 s."""
+    code = ("import io, threading, time\n"
+            "from syncwatch.instrument import auto\n"
+            "auto.install()\n"
+            "import torch, torch.distributed as dist\n"
+            "from torch.nn.parallel import DistributedDataParallel\n"
+            "torch.set_num_threads(1)\n"
+            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "class Slow(io.BytesIO):\n"
+            "    def __init__(self, delay): super().__init__(); self.delay = delay\n"
+            "    def write(self, b):\n"
+            "        if self.delay: time.sleep(self.delay); self.delay = 0\n"
+            "        return super().write(b)\n"
+            "class Nested(Slow):\n"
+            "    def write(self, b):\n"
+            "        if self.delay: torch.save(1, Slow(self.delay)); self.delay = 0\n"
+            "        return super().write(b)\n"
+            "model = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "torch.save(1, Slow(0.4))\n"
+            "for i in range(4):\n"
+            "    model(torch.randn(5, 8)).sum().backward(); opt.step(); opt.zero_grad()\n"
+            "    if i == 0: torch.save(1, Slow(0.1))\n"
+            "    if i == 1:\n"
+            "        model.eval()\n"
+            "        with torch.no_grad(): model(torch.randn(5, 8)); time.sleep(0.1)\n"
+            "        torch.save(1, Nested(0.1)); time.sleep(0.1)\n"
+            "        model.train()\n"
+            "    if i == 2:\n"
+            "        t = threading.Thread(target=torch.save, args=(1, Slow(0.4)))\n"
+            "        t.start(); t.join()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=subprocess_env(SYNCWATCH_SOCKET=rx.path), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    recs = steps(rx, 4)
+    checkpoint, evaluation, data = ([r.phase_seconds[PHASE_INDEX[name]] for r in recs]
+                                    for name in ("checkpoint", "eval", "data"))
+    assert checkpoint[0] == 0 and 0.1 <= checkpoint[1] < 0.2 and 0.1 <= checkpoint[2] < 0.2, (
+        checkpoint)
+    assert evaluation[2] >= 0.2 and data[2] < 0.1, (evaluation, data)
+    assert checkpoint[3] == 0 and data[3] >= 0.4, data  # the other thread's save: data
+
+
 def test_register_handle_remove_restores_torch_distributed():
     dist = pytest.importorskip("torch.distributed")
     import syncwatch.instrument as sw

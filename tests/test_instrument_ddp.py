@@ -405,6 +405,34 @@ def test_zero_code_counts_no_samples_of_an_evaluation_and_times_it_as_eval(
             evaluation, other, forward, backward)
 
 
+@pytest.mark.parametrize("saver", ["torch", "dcp"])
+def test_zero_code_times_a_save_as_checkpoint(daemon, sock_path, tmp_path, saver):
+    """A save after every 3rd step, 50 ms slower than its writes (a slow disk): ``torch.save``
+    on rank 0 alone (torch's DDP tutorial) or DCP's ``save`` on both ranks. Its time, as the
+    script measures it, is ``checkpoint`` (a planned pause), not ``data``; the save before the
+    loop is setup, no step's; rank 1 waits for rank 0's own save in the next gradient sync. The
+    weights are those of the same script without syncwatch."""
+    steps, job, delay = 10, f"zc-save-{saver}", 0.05
+    saves = steps // 3  # after steps 3, 6 and 9, each within the next step
+    zero_code_changes_no_result(tmp_path, sock_path, ["--steps", str(steps), "--save-every", "3",
+                                                      "--saver", saver], job)
+    measured = [r["save_seconds"] for r in load(tmp_path / "zc", 2)]
+    every = {0: steps, 1: steps}
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)
+    assert m.by_rank("syncwatch_steps_total", train_job=job) == every
+    checkpoint = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="checkpoint")
+    data = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="data")
+    sync = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="sync")
+    for r in (0, 1) if saver == "dcp" else (0,):
+        assert measured[r] >= saves * delay
+        # the state_dict() calls before the save itself are data; with the setup's save the
+        # checkpoint time would be a whole save more
+        assert measured[r] - 0.01 < checkpoint[r] <= measured[r], (checkpoint, measured)
+        assert data[r] < delay, data
+    if saver == "torch":
+        assert checkpoint[1] == 0 and sync[1] >= 0.8 * saves * delay > sync[0], (checkpoint, sync)
+
+
 def test_zero_code_ends_the_steps_that_a_grad_scaler_skips(daemon, sock_path, tmp_path):
     """An fp16-style loop through ``GradScaler``: at the steps whose gradients are infinite its
     ``step()`` skips the optimizer's, and those iterations are steps all the same (they were

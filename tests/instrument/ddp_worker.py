@@ -6,6 +6,7 @@ imports syncwatch (the zero-code-change test runs it under ``syncwatch-run``).
 """
 
 import argparse
+import io
 import os
 import time
 
@@ -46,6 +47,12 @@ def main():
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
                    help="after every N-th step, evaluate: 3 batches under torch.no_grad, each "
                         "20 ms slower (the time a metric would take)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="after every N-th step (and once before the loop), save the model and "
+                        "the optimizer's state, each save 50 ms slower (a slow disk)")
+    p.add_argument("--saver", choices=("torch", "dcp"), default="torch",
+                   help="torch.save on rank 0 only (torch's DDP tutorial), or "
+                        "torch.distributed.checkpoint.save on every rank")
     a = p.parse_args()
 
     torch.set_num_threads(1)
@@ -82,6 +89,21 @@ def main():
         sw.init()
         sw.register(ddp)
     phase = sw.phase if sw else (lambda name: _NoPhase())
+
+    save_seconds = 0.0  # the saves' time within the loop, as this script measures it
+
+    def save(tag):
+        start = time.perf_counter()
+        state = {"model": ddp.state_dict(), "optimizer": opt.state_dict()}
+        if a.saver == "dcp":
+            import torch.distributed.checkpoint as dcp
+            dcp.save(state, storage_writer=_SlowWriter(os.path.join(a.out, tag)))
+        elif rank == 0:
+            torch.save(state, _SlowFile())
+        return time.perf_counter() - start
+
+    if a.save_every:
+        save("start")
 
     for i in range(a.start_step, a.start_step + a.steps):
         with phase("data"):
@@ -120,12 +142,14 @@ def main():
                     net(x)
                     time.sleep(0.02)
             net.train()
+        if a.save_every and (i + 1) % a.save_every == 0:
+            save_seconds += save(f"step{i + 1}")
         if a.step_pause:
             time.sleep(a.step_pause)
 
     if a.out:
         weights = {n: _local(q.detach()).clone() for n, q in ddp.named_parameters()}
-        torch.save({"weights": weights, "grads": grads},
+        torch.save({"weights": weights, "grads": grads, "save_seconds": save_seconds},
                    os.path.join(a.out, f"rank{rank}.pt"))
     if sw:
         sw.shutdown()
@@ -146,6 +170,29 @@ class _Keyword(nn.Module):
 
     def forward(self, batch=None, *, x=None):
         return self.layers(batch["x"] if x is None else x)
+
+
+SAVE_DELAY = 0.05  # seconds a save of --save-every waits for its slow storage
+
+
+class _SlowFile(io.BytesIO):
+    """A file whose first write waits ``SAVE_DELAY``: a slow disk under ``torch.save``."""
+
+    def write(self, b):
+        if not self.tell():
+            time.sleep(SAVE_DELAY)
+        return super().write(b)
+
+
+def _SlowWriter(path):
+    """A DCP file-system writer whose writes wait ``SAVE_DELAY`` first."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class SlowWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            time.sleep(SAVE_DELAY)
+            return super().write_data(plan, planner)
+    return SlowWriter(path)
 
 
 class _NoPhase:

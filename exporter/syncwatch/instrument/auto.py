@@ -3,7 +3,8 @@
 ``install()`` (run from the ``sitecustomize`` that ``syncwatch-run`` puts on ``PYTHONPATH``)
 waits for the program to import DDP or FSDP and then patches them (``PATCHES``):
 ``DistributedDataParallel.__init__`` and ``forward``, ``FullyShardedDataParallel.__init__`` and
-``forward``, ``fully_shard``, and ``GradScaler.step``. When a model is wrapped with
+``forward``, ``fully_shard``, ``GradScaler.step``, and the checkpoint savers ``torch.save`` and
+``torch.distributed.checkpoint``'s ``save`` and ``async_save``. When a model is wrapped with
 ``torch.distributed`` initialized (all ranks wrap it, so the side group of the skew exchange can
 be created there):
 
@@ -25,10 +26,14 @@ be created there):
   in a second run in the same process); a forward with autograd off counts no samples: in
   eval mode (``model.eval()`` then ``torch.no_grad``: an evaluation) its time, until the next
   training forward, is ``eval``, a planned pause like a checkpoint; in train mode (a frozen
-  teacher wrapped in DDP) it is ``other``.
+  teacher wrapped in DDP) it is ``other``;
+* a save on the training thread once the loop has started (``torch.save``, DCP's ``save`` and
+  the staging part of its ``async_save``) is ``checkpoint``, a planned pause; after it, the
+  phase it interrupted goes on. A save before the first forward is setup, no step's.
 
-Not visible without the explicit API: tokens, checkpoints, the job's own step numbers (hence
-re-run steps after a restart), custom phases, and anything a second optimizer does.
+Not visible without the explicit API: tokens, saves by other means (``safetensors``, a thread of
+the script's own), the job's own step numbers (hence re-run steps after a restart), custom
+phases, and anything a second optimizer does.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import importlib.abc
 import importlib.machinery
 import logging
 import sys
+import threading
 import weakref
 
 from . import _state
@@ -168,6 +174,7 @@ class _Steps:
         self.samples = 0
         self.steps = 0  # steps ended; the first one starts at the first forward, not here:
         # between the model's wrapping and the loop come its setup and often a checkpoint load
+        self.thread = threading.get_ident()  # the training thread: the one that wraps the model
 
     def switch(self, name: str | None) -> None:
         if self.cur is not None:
@@ -222,6 +229,26 @@ class _Steps:
         if self.optimizer() is optimizer:
             self.end_step()
 
+    def save_begin(self):
+        """The phase a save interrupts, after switching to ``checkpoint``; None where the save is
+        not timed: no loop under way (``cur`` None: before the first forward), or another
+        thread (an asynchronous checkpointer's). A save within a save (DCP writes with
+        ``torch.save``) interrupts ``checkpoint`` itself."""
+        if (_state.monitor is not self.m or self.cur is None
+                or threading.get_ident() != self.thread):
+            return None
+        interrupted = self.cur
+        self.switch("checkpoint")
+        return interrupted
+
+    def save_end(self, interrupted):
+        """Back to the ``interrupted`` phase, unless the save switched the phase itself (ran a
+        forward)."""
+        if _state.monitor is self.m and self.cur is self.m.phase("checkpoint"):
+            self.cur.__exit__(None, None, None)
+            self.cur = interrupted
+            interrupted.__enter__()
+
     def end_step(self):
         self.switch(None)
         self.m.step(self.samples)
@@ -274,6 +301,49 @@ def _patch_grad_scaler_module(module) -> None:
 
     cls.step = step
     cls._syncwatch_patched = True
+
+
+def _patch_saver(module, name: str, exporters: tuple[str, ...]) -> None:
+    """Wrap ``module.name``, a checkpoint saver, once: each call on the training thread is timed
+    as ``checkpoint`` (``_Steps.save_begin``). The packages in ``exporters`` that bound the
+    original already (imported before ``install()``) are rebound to the wrapper."""
+    orig = getattr(module, name)
+    if getattr(orig, "_syncwatch_original", None) is not None:
+        return
+
+    @functools.wraps(orig)
+    def save(*args, **kwargs):
+        steps = _steps
+        interrupted = None
+        if steps is not None:
+            try:
+                interrupted = steps.save_begin()
+            except Exception:
+                steps.m._error()
+        if interrupted is None:
+            return orig(*args, **kwargs)
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            try:
+                steps.save_end(interrupted)
+            except Exception:
+                steps.m._error()
+
+    save._syncwatch_original = orig
+    setattr(module, name, save)
+    for exporter in filter(None, map(sys.modules.get, exporters)):
+        if getattr(exporter, name, None) is orig:
+            setattr(exporter, name, save)
+
+
+def _patch_torch_save_module(module) -> None:
+    _patch_saver(module, "save", ("torch",))
+
+
+def _patch_dcp_module(module) -> None:
+    for name in ("save", "async_save"):
+        _patch_saver(module, name, ("torch.distributed.checkpoint",))
 
 
 _steps: _Steps | None = None
@@ -343,4 +413,6 @@ PATCHES = {  # module -> what patches it once it has executed
     "torch.distributed.fsdp.fully_sharded_data_parallel": _patch_fsdp_module,
     "torch.distributed.fsdp._fully_shard._fully_shard": _patch_fully_shard_module,
     "torch.amp.grad_scaler": _patch_grad_scaler_module,
+    "torch.serialization": _patch_torch_save_module,
+    "torch.distributed.checkpoint.state_dict_saver": _patch_dcp_module,
 }
