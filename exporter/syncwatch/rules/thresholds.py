@@ -89,7 +89,9 @@ class Thresholds:
     efficiency_warn: float = 0.8        # per-GPU throughput below 80 % of its trailing baseline
     energy_warn: float = 1.25           # energy per sample 25 % above its trailing baseline
     # hardware
-    throttle_reasons: str = "thermal|hw_slowdown|hw_thermal|hw_power_brake|sw_thermal|power_cap"
+    # the collector's labels (collectors/gpu.py THROTTLE_REASONS), not its aggregate "thermal"
+    # (sw_thermal or hw_thermal): with it each thermal event raised two alerts
+    throttle_reasons: str = "sw_thermal|hw_thermal|hw_slowdown|power_brake|power_cap"
     xid_critical: str = "48|63|64|74|79|92|94|95|119|120"  # DBE, row remap, NVLink, fell off the bus, ...
     nic_errors_per_s: float = 1.0
     ib_xmit_wait_per_s: float = 1e6     # PortXmitWait ticks per second (congestion back-pressure)
