@@ -156,7 +156,12 @@ def progress(c: Ctx) -> list[dict]:
               f"behind the furthest rank and has entered none for {c.d(w.desync)}: it is stuck "
               f"(hung process, dead GPU, mismatched collective) and the whole job waits on it."),
         alert(c, "SyncwatchRankLost",
-              f"(\n  max by (train_job, rank, node) (max_over_time(syncwatch_rank_info[{c.d(w.lost_lookback)}]))\n"
+              # a rank last seen through a daemon that cannot be scraped is not known to be
+              # lost: SyncwatchDaemonDown says so (a warning, at 5m: before it, every rank of a
+              # restarting daemon's node paged critical at 2m)
+              f"(\n  max by (train_job, rank, node) (\n"
+              f"    max_over_time(syncwatch_rank_info[{c.d(w.lost_lookback)}])\n"
+              f"    unless on (instance)\n    (up{{job=\"{c.thresholds.scrape_job}\"}} == 0)\n  )\n"
               f"  unless on (train_job, rank)\n  syncwatch_rank_info\n)\n"
               f"and on (train_job)\ngroup by (train_job) (syncwatch_rank_info)\n"
               # a job whose every rank of its current world reports lost none: the ranks gone
