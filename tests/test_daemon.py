@@ -23,8 +23,8 @@ from daemon_helpers import (WALL0, Client, RankSim, healthz, identity, rss_of, s
 
 from syncwatch.daemon import DaemonConfig, DaemonThread
 from syncwatch.daemon.state import STEP_BUCKETS, SUPERSEDE_SECONDS, State
-from syncwatch.protocol import (IDENT_FIXED, PHASES, REJECT_REASONS, SKEW_BUCKETS, Decoder,
-                                Encoder, SkewHistogram)
+from syncwatch.protocol import (IDENT_FIXED, PHASES, REJECT_REASONS, SKEW_BUCKETS, Cumulative,
+                                Decoder, Encoder, SkewHistogram)
 from syncwatch.sender import Sender
 
 
@@ -522,8 +522,7 @@ def test_heartbeat_only_rank_shows_phase_and_stale_step_time(daemon, client):
     now = time.time()
     client.send(hung.heartbeat(now - 5, 7, now - 100, "sync", 95.0, 40))
     client.send(hung.heartbeat(now, 7, now - 100, "sync", 100.0, 40))
-    client.send(hung.heartbeat(now - 10, 7, now - 100, "forward", 1.0, 39))  # late, older: ignored
-    wait_records(daemon.url, 3)
+    wait_records(daemon.url, 2)
     m = scrape(daemon.url)
     lab = dict(train_job="job-a", rank=3)
     assert value(m, "syncwatch_rank_phase_elapsed_seconds", phase="sync", **lab) == 100.0
@@ -533,6 +532,44 @@ def test_heartbeat_only_rank_shows_phase_and_stale_step_time(daemon, client):
     assert value(m, "syncwatch_collective_sequence", **lab) == 40
     assert value(m, "syncwatch_steps_total", **lab) is None  # no step record yet: no counters
     assert value(m, "syncwatch_rank_info", local_rank=3, node="node-1", gpu="", uuid="", pid=1003, **lab) == 1
+
+
+def test_a_record_stamped_in_the_future_pins_nothing(daemon, client):
+    """A rank's clock an hour ahead, then stepped back (NTP at boot): its heartbeats after that
+    show the phase it is in now, and its last step's timestamp is the latest step's own. By the
+    records' wall times, the future ones had hidden every later heartbeat and pinned the step
+    timestamp an hour ahead, where SyncwatchJobStalled could not see the job stall."""
+    r = RankSim(identity(3))
+    hb = Encoder(identity(3))
+    now = time.time()
+    client.send(r.step(1, 0.1, wall=now + 3600), hb.heartbeat(now + 3600, 1, now + 3600,
+                                                               "checkpoint", 5.0, 1))
+    client.send(r.step(2, 0.1, wall=now - 200), hb.heartbeat(now, 2, now - 200, "sync", 200.0, 2))
+    wait_records(daemon.url, 4)
+    m = scrape(daemon.url)
+    lab = dict(train_job="job-a", rank=3)
+    assert value(m, "syncwatch_rank_phase_elapsed_seconds", phase="sync", **lab) == 200.0
+    assert value(m, "syncwatch_rank_phase_elapsed_seconds", phase="checkpoint", **lab) is None
+    assert value(m, "syncwatch_last_step_timestamp_seconds", **lab) == pytest.approx(now - 200)
+    assert value(m, "syncwatch_last_step", **lab) == 2
+
+
+def test_a_step_count_that_goes_down_within_a_process_is_rejected(daemon, client):
+    """Step 2 of the same process saying it has done fewer steps than step 1 did: the exported
+    counter would go down, which Prometheus reads as a reset and counts again. Rejected as
+    ``bad_value``; the counter keeps what it had."""
+    r = RankSim(identity(1))
+    client.send(r.step(1, 0.1), r.step(2, 0.1))
+    r.totals = Cumulative()  # the next record counts 1 step
+    client.send(r.step(3, 0.1))
+    wait_records(daemon.url, 3)
+    m = scrape(daemon.url)
+    assert value(m, "syncwatch_ingest_rejected_total", reason="bad_value") == 1
+    assert value(m, "syncwatch_steps_total", train_job="job-a", rank=1) == 2
+    r.totals = Cumulative(steps=9)
+    client.send(r.step(4, 0.1))  # the same process going on, 10 steps: accepted
+    wait_records(daemon.url, 4)
+    assert value(scrape(daemon.url), "syncwatch_steps_total", train_job="job-a", rank=1) == 10
 
 
 def test_client_dropped_records_and_internal_errors_are_monotonic(sock_path):

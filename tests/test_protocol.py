@@ -161,6 +161,9 @@ def test_identity_encode_refuses_bad_labels():
     dict(totals=Cumulative(steps=1, dropped_records=2, reported_dropped=3)),  # more than dropped
     dict(totals=Cumulative(steps=1, internal_errors=1, reported_errors=-1)),
     dict(totals=Cumulative(steps=1, step_seconds=1e16)),
+    dict(totals=Cumulative(steps=1, dropped_records=2**63 - 1)),  # counts past MAX_STEP: they
+    dict(totals=Cumulative(steps=1, internal_errors=2**62)),      # would poison the daemon's
+    dict(totals=Cumulative(steps=1, checkpoints=2**62)),          # totals until it restarts
     dict(skew=SkewHistogram(3, 0.1, (5,) * len(SKEW_BUCKETS))),  # bucket above the count
     dict(skew=SkewHistogram(3, 0.1, (2, 1) + (3,) * (len(SKEW_BUCKETS) - 2))),  # not cumulative
     dict(skew=SkewHistogram(3, float("nan"), (3,) * len(SKEW_BUCKETS))),
@@ -178,6 +181,8 @@ def test_bad_heartbeat_and_end_values():
     assert reason_of(bytes(hb)) == "bad_value"
     assert reason_of(enc.heartbeat(WALL, 1, WALL, "sync", 1.0, 1, 2, 0, 3, 0)) == "bad_value"
     assert reason_of(enc.heartbeat(WALL, 1, WALL, "sync", 1.0, 1, 2, 1, 2, 2)) == "bad_value"
+    assert reason_of(enc.heartbeat(WALL, 1, WALL, "sync", 1.0, 1, 2**62, 0)) == "bad_value"
+    assert reason_of(enc.heartbeat(WALL, 1, WALL, "sync", 1.0, 1, 0, 2**62)) == "bad_value"
     end = bytearray(enc.end(WALL, 1))
     end[-1] = 9
     assert reason_of(bytes(end)) == "bad_value"

@@ -367,8 +367,9 @@ class Decoder:
         _check_floats((samples, tokens, step_s_total, *phase_totals, slack, samples_total,
                        tokens_total), MAX_TOTAL, "counters")
         if not (0 <= step <= MAX_STEP and 0 <= seq <= MAX_STEP and 0 <= steps_total <= MAX_STEP
-                and 0 <= last_arr <= steps_total and ckpts >= 0
-                and 0 <= rep_dropped <= dropped and 0 <= rep_errors <= errors):
+                and 0 <= last_arr <= steps_total and 0 <= ckpts <= MAX_STEP
+                and 0 <= rep_dropped <= dropped <= MAX_STEP
+                and 0 <= rep_errors <= errors <= MAX_STEP):
             raise ProtocolError("bad_value", "integer field out of range")
         skew = None
         if extra:
@@ -395,7 +396,8 @@ class Decoder:
             raise ProtocolError("bad_value", f"phase code {phase}")
         _check_floats((elapsed,), MAX_SECONDS, "phase_elapsed")
         if not (0 <= last_step <= MAX_STEP and 0 <= seq <= MAX_STEP
-                and 0 <= rep_dropped <= dropped and 0 <= rep_errors <= errors):
+                and 0 <= rep_dropped <= dropped <= MAX_STEP
+                and 0 <= rep_errors <= errors <= MAX_STEP):
             raise ProtocolError("bad_value", "integer field out of range")
         return HeartbeatRecord(ident, wall, last_step, last_wall, PHASES[phase], elapsed, seq,
                                dropped, errors, rep_dropped, rep_errors)

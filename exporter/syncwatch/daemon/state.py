@@ -79,8 +79,8 @@ class Histogram:
 
 class RankState:
     __slots__ = ("ident", "totals", "exact", "has_tokens", "step_seen", "window", "version",
-                 "stats", "last_step", "last_step_wall", "seq", "hb_wall", "hb_phase",
-                 "hb_elapsed", "dropped", "errors", "seen", "ended")
+                 "stats", "last_step", "last_step_wall", "seq", "hb_phase", "hb_elapsed",
+                 "dropped", "errors", "seen", "ended")
 
     def __init__(self, ident: Identity, window: int, now: float):
         self.ident = ident
@@ -91,10 +91,12 @@ class RankState:
         self.window: deque[float] = deque(maxlen=window)
         self.version = 0                        # bumped on every window append
         self.stats: tuple[int, float | None, float | None] = (-1, None, None)  # version, cv, ac
-        self.last_step = -1                     # from step records and heartbeats
+        # the highest step seen (step records, heartbeats) and its wall-clock end: the end of
+        # the step, not the latest time any record carried (one record stamped in the future, a
+        # clock stepped back since, had pinned the timestamp and blinded SyncwatchJobStalled)
+        self.last_step = -1
         self.last_step_wall = 0.0
         self.seq = 0
-        self.hb_wall = 0.0
         self.hb_phase: str | None = None
         self.hb_elapsed = 0.0
         self.dropped = -1                       # highest dropped-records count this process
@@ -170,6 +172,15 @@ class Snapshot:
     ranks_active: int
 
 
+def _check_totals(r: RankState, rec: StepRecord) -> None:
+    """A later step of the same process must not carry fewer steps than an earlier one: the
+    exported counter would go down, which Prometheus reads as a reset and counts again."""
+    held = r.totals
+    if held is not None and rec.step > r.step_seen and rec.totals.steps < held.steps:
+        raise ProtocolError("bad_value", f"steps_total went down from {held.steps} to "
+                                         f"{rec.totals.steps} at step {rec.step}")
+
+
 def _move_node(job: JobState, old: str | None, new: str | None) -> None:
     """Account for a rank of ``job`` leaving node ``old`` and/or arriving on node ``new``.
 
@@ -230,7 +241,9 @@ class State:
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
     def apply(self, rec: Record) -> None:
-        """Apply one decoded record. Raises ``ProtocolError`` (rank_limit, job_limit) and counts it."""
+        """Apply one decoded record. Raises ``ProtocolError``: rank_limit and job_limit, which it
+        counts; bad_value (a step count that went down), which the caller counts, as it counts
+        the decoder's."""
         ident = rec.identity
         now = self._clock()
         with self._lock:
@@ -239,6 +252,8 @@ class State:
             except ProtocolError as e:
                 self.rejected[e.reason] += 1
                 raise
+            if r is not None and type(rec) is StepRecord:
+                _check_totals(r, rec)
             self.records += 1
             if r is None:
                 return  # a record of an older attempt than the one we follow: stale
@@ -317,10 +332,8 @@ class State:
             paused = sum(rec.phase_seconds[i] for i in _PAUSES)
             r.window.append(max(rec.step_seconds - paused, 0.0))
             r.version += 1
-        if step > r.last_step:
-            r.last_step = step
-        if rec.wall_time > r.last_step_wall:
-            r.last_step_wall = rec.wall_time
+        if step >= r.last_step:
+            r.last_step, r.last_step_wall = step, rec.wall_time
         if rec.collective_sequence > r.seq:
             r.seq = rec.collective_sequence
         self._client_counts(r, totals.dropped_records, totals.internal_errors,
@@ -368,12 +381,11 @@ class State:
         job.checkpoints = rec.totals.checkpoints
 
     def _heartbeat(self, r: RankState, rec: HeartbeatRecord) -> None:
-        if rec.wall_time >= r.hb_wall:
-            r.hb_wall, r.hb_phase, r.hb_elapsed = rec.wall_time, rec.phase, rec.phase_elapsed
-        if rec.last_step > r.last_step:
-            r.last_step = rec.last_step
-        if rec.last_step_wall_time > r.last_step_wall:
-            r.last_step_wall = rec.last_step_wall_time
+        # in arrival order: one thread of the rank sends them, in order (by their wall times, one
+        # stamped in the future had hidden every later one)
+        r.hb_phase, r.hb_elapsed = rec.phase, rec.phase_elapsed
+        if rec.last_step_wall_time > 0 and rec.last_step >= r.last_step:  # 0: no step yet
+            r.last_step, r.last_step_wall = rec.last_step, rec.last_step_wall_time
         if rec.collective_sequence > r.seq:
             r.seq = rec.collective_sequence
         r.ended = False
