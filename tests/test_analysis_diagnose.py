@@ -104,6 +104,22 @@ def test_congestion_counters_following_the_collective_raise_confidence():
     assert any("correlation with collective time" in e["reading"] for e in f.evidence)
 
 
+def test_one_congested_step_is_no_fabric_contention():
+    """A straggler job with one step whose collective took 40x longer, the fabric counters high in
+    that step alone: one inflated window, over which the counters "correlate" (r = 1.00). It read
+    as fabric contention at 0.9 beside the straggler; one event is no pattern."""
+    run = recorded("straggler")
+    steps = run["steps"]
+    hit = steps[len(steps) // 2]
+    extra = 40 * min(hit["waits"])
+    hit["waits"] = [w + extra for w in hit["waits"]]
+    hit["seconds"] += extra
+    points = [[s["t"] + s["seconds"], 1e6 if s is hit else 1e3] for s in steps]
+    run["hardware"] = {"ib_xmit_wait_rate": {f"sim-node-{n:02d}": points for n in range(4)}}
+    d = diagnose(recording.to_view(run, "test"))
+    assert [f.mode for f in d.findings] == ["straggler_persistent"]
+
+
 def _without_skew_exchange(v):
     """The view as Prometheus gives it with the exact skew exchange off: no slack, no last arrivals."""
     for name in ("slack_seconds", "last_arrivals"):

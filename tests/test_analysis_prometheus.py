@@ -18,7 +18,8 @@ import pytest
 
 from analysis_helpers import backfilled_prometheus, run_cli, victoriametrics
 from syncwatch.analysis.orderstats import normal_max_moments
-from syncwatch.analysis.view import nearest_per_window
+from syncwatch.analysis.prom import Prometheus
+from syncwatch.analysis.view import from_prometheus, nearest_per_window
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
                                 reason="prometheus / promtool missing (Debian package: prometheus)")
@@ -29,11 +30,14 @@ SCRAPE = 5
 
 
 def job_series(job: str, ranks: int = 4, ranks_per_node: int = 2, restarts: dict[float, int] | None = None,
-               daemon_restart: float | None = None, scrape: int = SCRAPE, step_times: bool = False):
+               daemon_restart: float | None = None, scrape: int = SCRAPE, step_times: bool = False,
+               exchange: int = 0):
     """Counters of one train job from T0 to T0 + SPAN; ``restarts``: {time: rerun steps}.
 
     ``daemon_restart``: the rank-0 daemon restarts then, its job counters start again from zero.
-    ``scrape``: seconds between samples; ``step_times``: with ``syncwatch_last_step_timestamp_seconds``.
+    ``scrape``: seconds between samples; ``step_times``: with ``syncwatch_last_step_timestamp_seconds``;
+    ``exchange``: the skew exchange's period in seconds (steps), its slack and last arrivals landing
+    then, for the period before (0: smoothly, as if it landed at every step).
     """
     times = range(T0, T0 + SPAN + 1, scrape)
     out = []
@@ -46,7 +50,9 @@ def job_series(job: str, ranks: int = 4, ranks_per_node: int = 2, restarts: dict
                                  ("syncwatch_slack_seconds_total", 0.05),
                                  ("syncwatch_last_arrivals_total", 1.0 if r == ranks - 1 else 0.0),
                                  ("syncwatch_samples_total", 8.0)):
-            out.append((name, lab, [(t, (t - T0) * per_second) for t in times]))
+            landed = exchange and name in ("syncwatch_slack_seconds_total", "syncwatch_last_arrivals_total")
+            out.append((name, lab, [(t, ((t - T0) // exchange * exchange if landed else t - T0) * per_second)
+                                    for t in times]))
         out.append(("syncwatch_phase_seconds_total", {**lab, "phase": "sync"}, [(t, (t - T0) * 0.2) for t in times]))
         if step_times:
             out.append(("syncwatch_last_step_timestamp_seconds", lab, [(t, t) for t in times]))
@@ -98,7 +104,8 @@ def prom(tmp_path_factory):
               *job_series("restarting", restarts={T0 + 302: 20, T0 + 1000: 30, T0 + 1800: 40}),
               *job_series("daemon-restart", restarts={T0 + 1000: 30, T0 + 1800: 40}, daemon_restart=T0 + 1400),
               *moved_job_series("moved"), *job_series("scraped-15s", scrape=15),
-              *job_series("scraped-30s", scrape=30, step_times=True)]
+              *job_series("scraped-30s", scrape=30, step_times=True),
+              *job_series("exchange-20s", exchange=20, step_times=True)]
     with backfilled_prometheus(tmp_path_factory.mktemp("prom"), series) as p:
         yield p.url
 
@@ -140,6 +147,31 @@ def test_windows_hold_two_scrapes_whatever_the_window_asked(prom, job, start, en
     assert d["steps"] == pytest.approx(steps, rel=0.03)
     assert d["scores"]["mean_step_seconds"] == pytest.approx(1.0, rel=0.01)
     assert d["scores"]["coupling"] == pytest.approx(0.05, rel=0.01)
+
+
+def test_windows_span_four_exchange_periods(prom, monkeypatch, capsys):
+    """The exchange lands its slack every 20 s (K steps of 1 s), for the 20 steps before. In 15 s
+    windows, each holding no landing or one, the collective time ((sync - slack) / steps) read
+    0.2 and 0.133 s in turn about the true 0.15 s: episodes of a slower collective where there
+    are none. The windows now span four exchange periods, measured from the slack's samples."""
+    view = from_prometheus(Prometheus(prom), "exchange-20s", T0 + 300, T0 + 900)
+    assert view.window >= 4 * 20
+    assert all(x == pytest.approx(0.15, rel=0.1) for x in view.collective_series() if x is not None)
+    d = _diagnose(monkeypatch, capsys, prom, "exchange-20s", T0 + 300, T0 + 900)
+    assert d["scores"]["coupling"] == pytest.approx(0.05, rel=0.05)
+    assert "fabric_contention" not in [f["mode"] for f in d["findings"]]
+
+
+def test_a_range_shorter_than_one_exchange_period_is_refused(prom, monkeypatch, capsys):
+    """A job with the exchange on, read over 12 s between two of its landings: no slack and no
+    last arrivals in range. It read as "exact skew exchange off", its coupling estimated from
+    mean waits; it is refused with what to do instead."""
+    code, out, err = run_cli(monkeypatch, capsys, [
+        "diagnose", "--prometheus", prom, "--job", "exchange-20s", "--start", f"{T0 + 302}",
+        "--end", f"{T0 + 314}"])
+    assert code == 2 and out == ""
+    assert "shorter than one exchange period (about 20 s)" in err and "widen the range" in err
+    assert "Traceback" not in err
 
 
 def test_project_measures_the_counters(prom, monkeypatch, capsys):

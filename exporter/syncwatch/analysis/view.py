@@ -57,6 +57,11 @@ MAX_WINDOWS = 60
 # increase() needs two samples in a window: a window shorter than two scrape intervals holds one
 # in most places and reads as no steps there. Two and a half keep two whatever the scrape jitter.
 SCRAPES_PER_WINDOW = 2.5
+# the exchange's slack lands once per K steps, for the K steps before it: a window lacks up to one
+# period's slack and holds up to one period's of the steps before it. Over one period its
+# collective time ((sync - slack) / steps) swung 35-67 ms about a true 45 ms (a straggler job read
+# as fabric contention); over four, the error is a quarter of that
+EXCHANGES_PER_WINDOW = 4
 
 
 @dataclass
@@ -287,9 +292,12 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
             if inst:
                 instance_node[inst] = node
 
-    interval = scrape_interval(prom, sel, end, span, min(rank_node)) if rank_node else None
+    interval, period = (scrape_interval(prom, sel, end, span, min(rank_node)) if rank_node
+                        else (None, None))
     if interval is not None:
         min_window = max(min_window, SCRAPES_PER_WINDOW * interval)
+    if period is not None:
+        min_window = max(min_window, EXCHANGES_PER_WINDOW * period)
     width, times = windows(start, end, min_window)
     # Prometheus evaluates on a whole-millisecond grid: windows start and last whole milliseconds,
     # so each answer's timestamps are exactly the window ends asked for
@@ -311,6 +319,12 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
     if sum(v for row in per_rank["steps"].values() for v in row if v) <= 0:
         raise AnalysisError(f"train job {job!r} completed no steps between {_fmt(start)} and {_fmt(end)} "
                             "(empty range)")
+    arrivals = [x for row in per_rank["last_arrivals"].values() for x in row if x is not None]
+    if arrivals and not any(x > 0 for x in arrivals):  # the exchange is on, and none landed
+        about = f" (about {period:.0f} s)" if period is not None else ""
+        raise AnalysisError(f"no skew-exchange result for train job {job!r} between {_fmt(start)} and "
+                            f"{_fmt(end)}: the range is shorter than one exchange period{about}, and "
+                            "slack and last arrivals land once per period; widen the range")
 
     def job_series(expr: str) -> list[float | None]:
         res = per_window(expr)
@@ -365,11 +379,17 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
         restarts_from_attempts=restarts_from_attempts, rerun_steps_from_steps=rerun_from_steps)
 
 
-def scrape_interval(prom: Prometheus, sel: str, end: float, span: float, rank: int | str) -> float | None:
-    """How often the job's series were scraped: the median gap between one rank's raw samples of
-    ``syncwatch_steps_total`` in the 10 minutes before its last step in the range (the rank that
-    stepped last; ``rank`` at the range end where no step time is exported), None where there
-    are not two samples to tell.
+def scrape_interval(prom: Prometheus, sel: str, end: float, span: float,
+                    rank: int | str) -> tuple[float | None, float | None]:
+    """How often the job's series were scraped, and how often its skew exchange's results landed
+    (seconds; None where the samples cannot tell), from one rank's raw samples up to its last step
+    in the range (the rank that stepped last; ``rank`` at the range end where no step time is
+    exported): the median gap between its samples of ``syncwatch_steps_total`` over the range
+    (at most its last 10 minutes), and between the changes of its
+    ``syncwatch_slack_seconds_total`` (exported with the exchange on: it grows at each exchange
+    where the rank idled) over the last 10 minutes, however short the range, so that a range
+    shorter than one period is refused with the period it needs. An exchange that lands at every
+    scrape reads as the scrape interval.
 
     Only one rank and ten minutes are fetched: a long range at a short scrape interval holds
     millions of samples, a few gaps tell the interval.
@@ -381,10 +401,19 @@ def scrape_interval(prom: Prometheus, sel: str, end: float, span: float, rank: i
         key, points = max(last.items(), key=lambda kv: kv[1][0][1])
         if label(key, "rank") is not None and math.isfinite(points[0][1]):
             rank, t = label(key, "rank"), min(end, points[0][1])
-    lookback = max(1, round(min(span, 600.0) * 1000))
-    res = prom.samples(f"syncwatch_steps_total{{{sel},rank={quote(str(rank))}}}[{lookback}ms]", t)
-    gaps = [b - a for pts in res.values() for (a, _), (b, _) in zip(pts, pts[1:]) if b > a]
-    return statistics.median(gaps) if gaps else None
+
+    def gaps(metric: str, changes: bool, lookback: float) -> float | None:
+        ms = max(1, round(lookback * 1000))
+        res = prom.samples(f"{metric}{{{sel},rank={quote(str(rank))}}}[{ms}ms]", t)
+        out = []
+        for pts in res.values():
+            if changes:
+                pts = [p for p, q in zip(pts[1:], pts) if p[1] != q[1]]
+            out += [b - a for (a, _), (b, _) in zip(pts, pts[1:]) if b > a]
+        return statistics.median(out) if out else None
+
+    return (gaps("syncwatch_steps_total", False, min(span, 600.0)),
+            gaps("syncwatch_slack_seconds_total", True, 600.0))
 
 
 def nearest_per_window(points: list[tuple[float, float]], times: list[float],
