@@ -264,6 +264,9 @@ def test_bad_config_file_exits_2(tmp_path, monkeypatch, capsys):
     assert code == 2 and "unknown key 'warp_drive'" in err
     code, _, err = run_cli(monkeypatch, capsys, ["jct", "--config", str(tmp_path / "missing.yaml")])
     assert code == 2 and "cannot read --config" in err
+    bad.write_bytes(b"\x7fELF\x02\x01\x01\x00\xff\xfe")  # a binary: a UnicodeDecodeError traceback
+    code, _, err = run_cli(monkeypatch, capsys, ["jct", "--config", str(bad)])
+    assert code == 2 and "is not a text file" in err and "Traceback" not in err
     # a count as a fraction or a boolean was truncated (128.5 nodes -> 128, true -> 1)
     for text, message in (("nodes: 128.5\n", "nodes: 128.5 is not an integer"),
                           ("nodes: true\n", "nodes: True is not an integer")):

@@ -122,7 +122,12 @@ def test_cli_offline(tmp_path, monkeypatch, capsys):
                            (["--max-nodes", "0"], "--max-nodes 0 is below"),
                            (["--congestion-exponent", "nan"], "--congestion-exponent must be a finite number"),
                            (["--latency-us", "nan"], "--latency-us must be a finite number"),
-                           (["--latency-us=-5"], "--latency-us must be a finite number")):
+                           (["--latency-us=-5"], "--latency-us must be a finite number"),
+                           # 1 node read 117.5 % efficient (a ring all-reduce costs nothing there)
+                           (["--nodes", "1,4"], "node counts must be at least the 2 measured"),
+                           # tracebacks (OverflowError)
+                           (["--congestion-exponent", "1e300"], "a figure too large to compute"),
+                           (["--latency-us", "1e300"], "a figure too large to compute")):
         code, out, err = run_cli(monkeypatch, capsys, ["project", "--input", str(path), *flags, "--json"])
         assert code == 2 and message in err and not out, (flags, err)
     code, out, err = run_cli(monkeypatch, capsys, ["project", "--input", str(path), "--max-nodes", "2", "--json"])

@@ -180,6 +180,17 @@ def test_credentials_in_the_url_are_basic_auth_and_kept_out_of_messages(canned):
         promapi.Client("http://ann:x@127.0.0.1:9", bearer_token="tok")
 
 
+@pytest.mark.parametrize("url, message", [
+    ("http://[::1", "not a valid URL (Invalid IPv6 URL)"),          # a ValueError traceback
+    ("http://127.0.0.1:99999", "not a valid URL (Port out of range"),
+    ("http://127.0.0.1:9090?x=1", "takes no ?query or #fragment"),  # answered "HTTP 405"
+    ("http://127.0.0.1:9090/#top", "takes no ?query or #fragment"),
+])
+def test_a_malformed_prometheus_url_is_one_clear_line(url, message, monkeypatch, capsys):
+    code, out, err = run_cli(monkeypatch, capsys, ["diagnose", "--prometheus", url, "--job", "j"])
+    assert code == 2 and not out and len(err.splitlines()) == 1 and message in err, err
+
+
 def test_analysis_flags_send_a_token_and_the_errors_say_what_to_change(canned, tmp_path, monkeypatch, capsys):
     """The analysis commands had a fixed 30 s timeout, reported a slow Prometheus as
     "unreachable", and could send no credentials."""

@@ -64,7 +64,13 @@ class Client:
             raise PrometheusError(f"{url!r}: expected an http:// or https:// URL")
         if bearer_token is not None and basic_auth is not None:
             raise PrometheusError("give a bearer token or basic auth, not both")
-        parts = urllib.parse.urlsplit(url)
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port  # raises ValueError for a port that is not a number, or out of range
+        except ValueError as e:  # "http://[::1" (Invalid IPv6 URL), a port out of range
+            raise PrometheusError(f"{url!r}: not a valid URL ({e})") from None
+        if parts.query or parts.fragment:  # the API paths are appended after them: HTTP 405
+            raise PrometheusError(f"{url!r}: a Prometheus base URL takes no ?query or #fragment")
         if parts.username is not None:
             if bearer_token is not None or basic_auth is not None:
                 raise PrometheusError("credentials both in the URL and given apart: give them once")

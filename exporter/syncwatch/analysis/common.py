@@ -17,7 +17,9 @@ class AnalysisError(Exception):
 
 
 def command(name: str) -> Callable:
-    """Wrap a command's ``run(args)``: print an ``AnalysisError`` as one clear line, exit 2."""
+    """Wrap a command's ``run(args)``: print an ``AnalysisError`` as one clear line, exit 2; so too
+    an ``OverflowError``, which only absurd magnitudes in the flags reach (``--latency-us 1e200``,
+    a node count of 300 digits)."""
     def wrap(fn):
         @functools.wraps(fn)
         def run(args) -> int:
@@ -25,6 +27,10 @@ def command(name: str) -> Callable:
                 return int(fn(args) or 0)
             except AnalysisError as e:
                 print(f"syncwatch {name}: error: {e}", file=sys.stderr)
+                return EXIT_USAGE
+            except OverflowError as e:
+                print(f"syncwatch {name}: error: a figure too large to compute with ({e}): check "
+                      "the magnitudes of the flags", file=sys.stderr)
                 return EXIT_USAGE
         return run
     return wrap

@@ -446,6 +446,8 @@ def load_config(path: str) -> dict:
         text = Path(path).read_text()
     except OSError as e:
         raise AnalysisError(f"cannot read --config {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise AnalysisError(f"--config {path} is not a text file (YAML or JSON)") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
