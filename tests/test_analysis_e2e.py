@@ -23,6 +23,8 @@ import time
 import pytest
 
 from analysis_helpers import SCENARIO_MODES, run_cli
+from syncwatch.analysis.prom import Prometheus as PromClient
+from syncwatch.analysis.prom import label
 from syncwatch.stack import Prometheus, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
@@ -131,6 +133,22 @@ def test_congestion_diagnosis_cites_the_fabric_counters(cluster, monkeypatch, ca
     # the load; over the ~30 windows of 1200 steps r read 0.76-0.81 beside two busy loops.
     assert min(corr.values()) > 0, corr
     assert finding["confidence"] >= 0.9, finding["evidence"]
+
+
+@pytest.mark.parametrize("name", ["straggler", "straggler-k0"])
+def test_the_series_a_straggler_finding_cites_select_the_straggler(cluster, name, monkeypatch, capsys):
+    """Each evidence line that quotes a selector, pasted into Prometheus, selects the straggler's
+    series. They matched a ``node`` label these series do not carry, and selected nothing."""
+    url, ranges = cluster
+    d = _diagnose(monkeypatch, capsys, url, ranges, name)
+    (f,) = [f for f in d["findings"] if f["mode"] == "straggler_persistent"]
+    quoted = [e["series"].split(", per window")[0] for e in f["evidence"]
+              if e["series"].startswith("syncwatch_") and "{" in e["series"]]
+    assert quoted, f["evidence"]
+    prom = PromClient(url)
+    for expr in quoted:
+        got = prom.query(expr, ranges[name][1])
+        assert [label(k, "rank") for k in got] == [str(f["subject"]["rank"])], (expr, got)
 
 
 def _run(monkeypatch, capsys, url, ranges, command, name, *extra) -> str:

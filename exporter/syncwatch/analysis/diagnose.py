@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..rules.thresholds import THRESHOLDS
 from .common import command, emit_json, lag1, ms, pct
+from .prom import quote
 from .source import add_source_flags, view_from_args
 from .view import BYTES_SERIES, CONGESTION_SERIES, JobView
 
@@ -104,6 +105,18 @@ class Diagnosis:
 
 # ---------------------------------------------------------------- helpers
 
+def _rank_sel(v: JobView, rank: int) -> str:
+    """The label matchers of one rank's series, as an evidence line quotes them: pasted into
+    Prometheus they select that rank (its series carry no ``node`` label)."""
+    return f"train_job={quote(v.job)},rank={quote(str(rank))}"
+
+
+def _node_sel(v: JobView, node: str) -> str:
+    """A selector of the daemon (``instance``) of ``node`` among the job's ranks: the GPU series
+    carry the instance, not the node."""
+    return f"syncwatch_rank_info{{train_job={quote(v.job)},node={quote(node)}}}"
+
+
 def _vals(xs) -> list[float]:
     return [x for x in xs if x is not None and math.isfinite(x)]
 
@@ -171,11 +184,11 @@ def detect_stragglers(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
             "a lower bound)")
     evidence = [
         {"series": "train_job:syncwatch_coupling:ratio5m", "value": round(coupling, 4), "reading": idle},
-        {"series": f'syncwatch_last_arrivals_total{{rank="{top}",node="{node}"}}', "value": la[top],
+        {"series": f'syncwatch_last_arrivals_total{{{_rank_sel(v, top)}}}', "value": la[top],
          "reading": f"rank {top} arrived last in {pct(share)} of last arrivals ({la[top]:.0f} of {total:.0f})"}
         if exact else
-        {"series": f'syncwatch_phase_seconds_total{{phase="sync",rank="{top}",node="{node}"}} / '
-                   "syncwatch_steps_total, per window", "value": round(la[top], 1),
+        {"series": f'syncwatch_phase_seconds_total{{phase="sync",{_rank_sel(v, top)}}} / ignoring (phase) '
+                   f'syncwatch_steps_total{{{_rank_sel(v, top)}}}, per window', "value": round(la[top], 1),
          "reading": f"rank {top} had the smallest mean wait in windows holding {pct(share)} of the steps "
                     f"(ranks within {pct(THRESHOLDS.last_arrival_tie)} of the step of it share a window)"},
         {"series": "train_job:syncwatch_straggler_concentration:ratio10m", "value": round(share, 4),
@@ -247,13 +260,15 @@ def detect_thermal(v: JobView, s: dict, th: Thresholds, found: list[Finding]) ->
         node = straggler.subject["node"]
         thr = _mean(throttle.get(node, []))
         if thr:
-            evidence.append({"series": f'syncwatch_gpu_throttle_active{{node="{node}",reason=~".*thermal.*"}}',
+            evidence.append({"series": 'syncwatch_gpu_throttle_active{reason=~".*thermal.*"} and on (instance) '
+                                       + _node_sel(v, node),
                              "value": round(thr, 3), "reading": f"thermal throttling active {pct(thr)} of the time "
                                                                f"on the straggling node {node}"})
             conf = max(conf, 0.9)
         hot = _hotter(temps, node)
         if hot is not None and hot >= th.hot_margin_celsius:
-            evidence.append({"series": f'syncwatch_gpu_temperature_celsius{{node="{node}"}}', "value": round(hot, 1),
+            evidence.append({"series": "syncwatch_gpu_temperature_celsius and on (instance) " + _node_sel(v, node),
+                             "value": round(hot, 1),
                              "reading": f"{node} runs {hot:.1f} °C hotter than the other nodes"})
             conf = max(conf, 0.75)
         subject = {"node": node}
