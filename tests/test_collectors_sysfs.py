@@ -17,6 +17,7 @@ from conftest import run_unprivileged
 from syncwatch.collectors import NoData
 from syncwatch.collectors.infiniband import InfinibandCollector, parse_rate
 from syncwatch.collectors.net import NetCollector
+from syncwatch.sim.sysfs_tree import nic
 from syncwatch.collectors.sysfs import Absent, Unreadable, read_int, read_text
 
 SYSFS = FIXTURES / "sysfs"
@@ -195,6 +196,31 @@ def test_names_that_are_not_utf8_keep_their_series_and_the_scrape(tree):
     assert v("syncwatch_ib_port_up", ib) == 1
 
 
+def test_virtual_interfaces_are_skipped_unless_asked_for(tmp_path):
+    """A host's sysfs as the kernel lays it out: ``class/net/<dev>`` links to the device's
+    directory, under its PCI function for a NIC and under ``devices/virtual`` for loopback, a
+    CNI bridge and a Calico veth. By default only the NIC is read; with ``virtual`` all are."""
+    sys_root = tmp_path / "sys"
+    (sys_root / "class" / "net").mkdir(parents=True)
+    homes = {"eno1": "devices/pci0000:00/0000:00:1f.6/net/eno1", "lo": "devices/virtual/net/lo",
+             "cni0": "devices/virtual/net/cni0", "cali3f2a": "devices/virtual/net/cali3f2a"}
+    for dev, home in homes.items():
+        made = nic(tmp_path / "stage", dev, speed="25000")
+        (sys_root / home).parent.mkdir(parents=True, exist_ok=True)
+        made.rename(sys_root / home)
+        (sys_root / "class" / "net" / dev).symlink_to(os.path.join("..", "..", home))
+
+    def devices(collector) -> set[str]:
+        errors: list[str] = []
+        reg = registry_of([f for f in collector.update(errors) if f.samples])
+        assert errors == []
+        return {d for d in homes if reg.get_sample_value("syncwatch_nic_up", {"device": d}) == 1}
+
+    assert devices(NetCollector(str(sys_root), exclude="")) == {"eno1"}
+    assert devices(NetCollector(str(sys_root), exclude="", virtual=True)) == set(homes)
+    assert devices(NetCollector(str(sys_root), virtual=True)) == {"eno1", "cni0", "cali3f2a"}
+
+
 def test_absent_tree_is_quiet_no_data(tmp_path):
     for c in (NetCollector(str(tmp_path)), InfinibandCollector(str(tmp_path))):
         with pytest.raises(NoData):
@@ -205,7 +231,7 @@ def test_real_sys_class_net_reads_without_error():
     if not os.path.isdir("/sys/class/net"):
         pytest.skip("no /sys/class/net on this machine")
     errors: list[str] = []
-    families = NetCollector("/sys", exclude="").update(errors)
+    families = NetCollector("/sys", exclude="", virtual=True).update(errors)
     assert errors == []
     reg = registry_of([f for f in families if f.samples])
     for dev in os.listdir("/sys/class/net"):

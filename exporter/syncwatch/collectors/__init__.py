@@ -51,6 +51,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(group, "--collector.net.exclude", dest="net_exclude", metavar="REGEX", type=regex,
              default=CollectorOptions.net_exclude,
              help="Regular expression of interface names the net collector skips ('' = none).")
+    add_flag(group, "--collector.net.virtual", dest="net_virtual", action="store_true",
+             default=CollectorOptions.net_virtual,
+             help="Also collect virtual interfaces (bridges, veth, tunnels, bonds, VLANs: sysfs "
+                  "entries under devices/virtual), whose carrier changes follow containers, not "
+                  "links (default: physical NICs only).")
 
 
 def enabled_names(args: argparse.Namespace) -> list[str]:
@@ -60,7 +65,7 @@ def enabled_names(args: argparse.Namespace) -> list[str]:
 def runner_from_args(args: argparse.Namespace) -> CollectorRunner | None:
     """The runner for the enabled collectors, or None when all are off."""
     options = CollectorOptions(sysfs=args.path_sysfs, procfs=args.path_procfs,
-                               net_exclude=args.net_exclude)
+                               net_exclude=args.net_exclude, net_virtual=args.net_virtual)
     names = enabled_names(args)
     if not names:
         return None

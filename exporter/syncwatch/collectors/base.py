@@ -44,6 +44,7 @@ class CollectorOptions:
     sysfs: str = "/sys"
     procfs: str = "/proc"
     net_exclude: str = r"^(lo|veth.+)$"
+    net_virtual: bool = False  # also collect virtual interfaces (see NetCollector)
 
 
 @dataclass(frozen=True)

@@ -11,15 +11,25 @@ from .base import CollectorOptions, NoData, register
 from .sysfs import label_value, list_dir, read_int, read_or_none, read_text
 
 _DIRECTIONS = (("receive", "rx"), ("transmit", "tx"))
+_VIRTUAL = os.path.join(os.sep, "devices", "virtual", "")  # where sysfs keeps virtual netdevs
 
 
 class NetCollector:
     """One series set per interface; every file is read under its own guard, so a missing or bad
-    file drops only its own series."""
+    file drops only its own series.
 
-    def __init__(self, sysfs: str = "/sys", exclude: str = CollectorOptions.net_exclude):
+    Virtual interfaces are skipped unless ``virtual``: those whose ``class/net`` entry links
+    under ``devices/virtual`` (loopback, bridges such as docker0 and cni0, veth pairs and
+    Calico's cali*, VXLAN and other tunnels, bonds, VLANs), where a physical NIC's links under its
+    bus device. Their traffic is that of the physical NICs below them, and their carrier changes
+    follow containers coming and going: a bridge's flips when its first or last port comes or
+    goes, which would keep SyncwatchNicLinkErrors firing on nodes where pods start and stop."""
+
+    def __init__(self, sysfs: str = "/sys", exclude: str = CollectorOptions.net_exclude,
+                 virtual: bool = CollectorOptions.net_virtual):
         self.root = os.path.join(sysfs, "class", "net")
         self.exclude = re.compile(exclude) if exclude else None
+        self.virtual = virtual
 
     def update(self, errors: list[str]):
         if not os.path.isdir(self.root):
@@ -47,6 +57,8 @@ class NetCollector:
             if self.exclude is not None and self.exclude.match(dev):
                 continue
             base = os.path.join(self.root, dev)
+            if not self.virtual and _VIRTUAL in os.path.realpath(base):
+                continue
             dev = label_value(dev)
             stats = os.path.join(base, "statistics")
             for key in ("rx_bytes", "tx_bytes", "rx_packets", "tx_packets"):
@@ -72,4 +84,4 @@ class NetCollector:
 
 @register("net", default=True, help="network interface counters and link state from /sys/class/net")
 def _make(options: CollectorOptions) -> NetCollector:
-    return NetCollector(options.sysfs, options.net_exclude)
+    return NetCollector(options.sysfs, options.net_exclude, options.net_virtual)
