@@ -101,3 +101,43 @@ def test_stack_scrapes_the_demo_evaluates_rules_and_stops_cleanly():
     for port in (prom_port, am_port):  # both servers are gone
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2)
+
+
+def test_stack_up_runs_from_a_wheel_installed_without_the_checkout(tmp_path):
+    """``pip install .`` (the systemd deploy) installs the package alone: ``stack up`` looked for
+    deploy/ and alerts/ beside it and failed with "No such file or directory". The wheel carries
+    them as data under <prefix>/share/syncwatch, and the stack runs from there."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "wheel"), str(ROOT)], check=True, timeout=300,
+                   capture_output=True)
+    (wheel,) = (tmp_path / "wheel").glob("syncwatch-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--prefix", str(venv),
+                    str(wheel)], check=True, timeout=300, capture_output=True)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    # the dependencies from this environment, after the installed syncwatch on the path
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    (site / "zz-deps.pth").write_text("\n".join(deps) + "\n")
+    env = {k: v for k, v in subprocess_env().items() if k != "PYTHONPATH"}
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import syncwatch; print(syncwatch.__file__)"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert where.stdout.startswith(str(site)), where.stdout + where.stderr  # not the checkout's
+    stack = subprocess.Popen([str(venv / "bin" / "python"), "-m", "syncwatch", "stack", "up",
+                              "--prometheus-port", "0", "--alertmanager-port", "0",
+                              "--data-dir", str(tmp_path / "data")],
+                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        lines = [stack.stdout.readline() for _ in range(3)]
+        assert lines[2] == "Ctrl-C stops.\n", "".join(lines) + stack.stdout.read()
+        prom = re.search(r"prometheus\s+http://127\.0\.0\.1:(\d+)", lines[0])
+        rules = api(int(prom[1]), "rules")["groups"]
+        assert {g["file"] for g in rules} == {str(venv / "share" / "syncwatch" / "alerts" / f.name)
+                                             for f in (ROOT / "alerts").glob("*.rules.yml")}
+        stack.send_signal(signal.SIGTERM)
+        assert stack.wait(30) == 0
+    finally:
+        if stack.poll() is None:
+            stack.kill()
+            stack.wait()

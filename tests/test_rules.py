@@ -176,3 +176,9 @@ def test_cli_render_writes_and_check_detects_stale_files(tmp_path):
     assert stale.returncode == 1 and "not current" in stale.stderr
     bad = run("--time-scale", "-1")
     assert bad.returncode == 2 and "time scale must be > 0" in bad.stderr
+    (tmp_path / "a-file").write_text("")  # --out a file: a FileExistsError traceback
+    bad = subprocess.run([sys.executable, "-m", "syncwatch", "rules", "render", "--out",
+                          str(tmp_path / "a-file")], capture_output=True, text=True,
+                         env=subprocess_env(), cwd=tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.startswith(f"syncwatch rules render: cannot write into {tmp_path / 'a-file'}")

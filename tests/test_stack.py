@@ -162,6 +162,9 @@ def test_an_interrupted_start_stops_the_server(monkeypatch):
     ("--targets", "nope", "--targets 'nope': expected daemon host:port pairs"),
     ("--targets", "127.0.0.1:9477,:9478", "--targets '127.0.0.1:9477,:9478': expected daemon host:port pairs"),
     ("--targets", ",", "--targets ',': expected daemon host:port pairs"),
+    # an OverflowError traceback from bind()
+    ("--prometheus-port", "70000", "--prometheus-port must be a port 0-65535 (0 = free), got 70000"),
+    ("--alertmanager-port", "-1", "--alertmanager-port must be a port 0-65535 (0 = free), got -1"),
 ])
 def test_stack_up_rejects_bad_flags_in_one_line(flag, value, says):
     r = subprocess.run([sys.executable, "-m", "syncwatch", "stack", "up", "--prometheus-port", "0",

@@ -38,6 +38,18 @@ from . import promapi
 from .cli import add_flag
 
 REPO = Path(__file__).resolve().parents[2]
+SHARE = Path(sys.prefix) / "share" / "syncwatch"  # where an installed package keeps them
+
+
+def shipped(relative: str) -> Path:
+    """A file of the checkout (``deploy/…``, ``alerts``) that the stack runs from: the checkout's
+    where there is one (a source tree, an editable install), else the installed copy under
+    ``<prefix>/share/syncwatch`` (pyproject.toml's data files)."""
+    for base in (REPO, SHARE):
+        if (base / relative).exists():
+            return base / relative
+    raise StackError(f"{relative} is in neither a syncwatch checkout ({REPO}) nor the installed "
+                     f"package's data ({SHARE}): reinstall syncwatch, or run from a checkout")
 PROMETHEUS_BINARIES = ("prometheus",)
 ALERTMANAGER_BINARIES = ("prometheus-alertmanager", "alertmanager")  # Debian name first
 
@@ -323,9 +335,9 @@ def register(subparsers) -> None:
     add_flag(up, "--prometheus-port", type=int, default=9090, help="Prometheus port (0 = free)")
     add_flag(up, "--alertmanager-port", type=int, default=9093, help="Alertmanager port (0 = free)")
     add_flag(up, "--no-alertmanager", action="store_true", help="run Prometheus only")
-    add_flag(up, "--alertmanager-config", type=Path,
-             default=REPO / "deploy" / "alertmanager" / "alertmanager.yml",
-             help="Alertmanager configuration file")
+    add_flag(up, "--alertmanager-config", type=Path, default=None,
+             help="Alertmanager configuration file (default: the shipped "
+                  "deploy/alertmanager/alertmanager.yml)")
     add_flag(up, "--scrape-interval", default="5s", help="scrape and rule evaluation interval")
     add_flag(up, "--time-scale", type=float, default=1.0,
              help="render the rules with every window scaled by this factor")
@@ -333,15 +345,12 @@ def register(subparsers) -> None:
     up.set_defaults(func=run_up)
 
 
-PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
-
-
 def shipped_prometheus_config(targets: Sequence[str], rule_files: Sequence[Path], interval: str,
                               alertmanager_url: str | None) -> dict:
     """``deploy/prometheus/prometheus.yml`` (the file docker compose mounts) with only what differs
     on this machine replaced: the daemon targets, the Alertmanager address, absolute rule file
     paths and the intervals. Job name, scrape limits and everything else stay as shipped."""
-    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    config = yaml.safe_load(shipped("deploy/prometheus/prometheus.yml").read_text())
     config["global"].update(scrape_interval=interval, evaluation_interval=interval)
     config["rule_files"] = [str(Path(p).resolve()) for p in rule_files]
     if alertmanager_url:
@@ -367,6 +376,12 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"syncwatch stack up: --time-scale must be a positive number, got {args.time_scale:g}",
               file=sys.stderr)
         return 2
+    for flag, port in (("--prometheus-port", args.prometheus_port),
+                       ("--alertmanager-port", args.alertmanager_port)):
+        if not 0 <= port <= 65535:
+            print(f"syncwatch stack up: {flag} must be a port 0-65535 (0 = free), got {port}",
+                  file=sys.stderr)
+            return 2
     if not args.scrape_interval or not PROMETHEUS_DURATION.fullmatch(args.scrape_interval):
         print(f"syncwatch stack up: --scrape-interval {args.scrape_interval!r} is not a Prometheus "
               f"duration (e.g. 5s, 1m, 1m30s)", file=sys.stderr)
@@ -382,11 +397,13 @@ def run_up(args: argparse.Namespace) -> int:
     previous = _stop_on_signals()
     try:
         # The shipped rule files themselves, unless their windows are to be scaled.
-        rule_files = (sorted((REPO / "alerts").glob("*.rules.yml")) if args.time_scale == 1
+        rule_files = (sorted(shipped("alerts").glob("*.rules.yml")) if args.time_scale == 1
                       else write(work / "rules", args.time_scale))
         am = None
         if not args.no_alertmanager:
-            am = Alertmanager(args.alertmanager_config, workdir=str(work / "alertmanager"))
+            am = Alertmanager(args.alertmanager_config
+                              or shipped("deploy/alertmanager/alertmanager.yml"),
+                              workdir=str(work / "alertmanager"))
             am.start(port=args.alertmanager_port)
             servers.append(am)
         prom = Prometheus(workdir=str(work / "prometheus"))

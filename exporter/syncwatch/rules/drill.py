@@ -27,7 +27,7 @@ import yaml
 from ..daemon.app import DaemonThread
 from ..daemon.config import DaemonConfig
 from ..sim.scenarios import ScenarioThread, scenario_params, straggler_rank
-from ..stack import REPO, Alertmanager, Prometheus, alertmanager_config_for_test
+from ..stack import Alertmanager, Prometheus, alertmanager_config_for_test, shipped
 from .render import write
 
 NODES, RANKS_PER_NODE = 2, 4
@@ -137,7 +137,7 @@ def run_drill(faults=("healthy", "variance", "straggler", "stall", "start"), *, 
     rule_files = write(work / "rules", time_scale)
     webhook = _Webhook()
     threading.Thread(target=webhook.serve_forever, daemon=True).start()
-    am_base = yaml.safe_load((REPO / "deploy" / "alertmanager" / "alertmanager.yml").read_text())
+    am_base = yaml.safe_load(shipped("deploy/alertmanager/alertmanager.yml").read_text())
     daemons, sims, servers = [], [], []
     jobs = {f"drill-{f}": JobResult(f, f"drill-{f}") for f in faults}
     try:

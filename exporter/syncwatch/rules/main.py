@@ -11,13 +11,17 @@ from .render import render, write
 from .thresholds import RUNBOOK_BASE
 
 REPO_ALERTS = Path(__file__).resolve().parents[3] / "alerts"
+# the checkout's alerts/ where this runs from one; installed, ./alerts
+DEFAULT_OUT = REPO_ALERTS if REPO_ALERTS.is_dir() else Path("alerts")
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("rules", help="render the Prometheus rule files")
     sub = p.add_subparsers(dest="rules_command", metavar="ACTION", required=True)
     r = sub.add_parser("render", help="write recording.rules.yml and <concern>.rules.yml")
-    add_flag(r, "--out", type=Path, default=REPO_ALERTS, help="directory to write the rule files into")
+    add_flag(r, "--out", type=Path, default=DEFAULT_OUT,
+             help="directory to write the rule files into (default: the checkout's alerts/, "
+                  "or ./alerts where syncwatch is installed from a wheel)")
     add_flag(r, "--time-scale", type=float, default=1.0,
              help="multiply every window and for: duration by this factor (tests use e.g. 0.05)")
     add_flag(r, "--runbook-base", default=RUNBOOK_BASE, help="URL of docs/runbook.md for runbook_url")
@@ -38,5 +42,9 @@ def run_render(args: argparse.Namespace) -> int:
             print(path)
     except ValueError as e:
         print(f"syncwatch rules render: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # --out a file, or not writable
+        print(f"syncwatch rules render: cannot write into {args.out}: {e.strerror or e}",
+              file=sys.stderr)
         return 2
     return 0
