@@ -160,6 +160,32 @@ def test_xid_events_are_counted_per_gpu_and_xid():
     assert reg.get_sample_value("syncwatch_gpu_xid_errors_total", labels(3, xid="79")) == 2
 
 
+def test_xid_events_export_when_the_latest_of_each_arrived():
+    """NVML's event data carries no time: the alerts read when the daemon drained an XID (its
+    count restarts with the daemon and appears only at the first XID, which increase() missed)."""
+    wall = Clock()
+    wall.t = 1_700_000_000.0
+    fake = FakeNvml()
+    collector = GpuCollector(nvml=fake, wall_clock=wall)
+    stamp = "syncwatch_gpu_xid_last_event_timestamp_seconds"
+    assert stamp not in render(cycle(collector)[2])  # no XID yet: no series
+    fake.xid(3, 79)
+    fake.xid(0, 13)
+    reg, _, families = cycle(collector)
+    assert reg.get_sample_value(stamp, labels(3, xid="79")) == 1_700_000_000.0
+    assert reg.get_sample_value(stamp, labels(0, xid="13")) == 1_700_000_000.0
+    promtool_check(render(families))
+    wall.t += 120
+    fake.xid(3, 79)
+    reg = cycle(collector)[0]
+    assert reg.get_sample_value(stamp, labels(3, xid="79")) == 1_700_000_120.0
+    assert reg.get_sample_value(stamp, labels(0, xid="13")) == 1_700_000_000.0  # no new XID 13
+    assert reg.get_sample_value("syncwatch_gpu_xid_errors_total", labels(3, xid="79")) == 2
+    wall.t += 60
+    reg = cycle(collector)[0]  # no event: the time stays that of the latest
+    assert reg.get_sample_value(stamp, labels(3, xid="79")) == 1_700_000_120.0
+
+
 def test_gpus_renumbered_after_nvml_comes_back_keep_their_own_uuids():
     """GPU 3 falls off the bus and is gone when NVML is initialized again: the GPUs after it move
     down one index. Their values were exported under the UUIDs cached for the old indices, so GPU
@@ -179,11 +205,13 @@ def test_gpus_renumbered_after_nvml_comes_back_keep_their_own_uuids():
     for index, gpu in enumerate(old[:3] + old[4:]):
         assert reg.get_sample_value("syncwatch_gpu_temperature_celsius",
                                     {"gpu": str(index), "uuid": gpu.uuid}) == gpu.temperature
-    assert UUID3 not in render([f for f in families if f.name != "syncwatch_gpu_xid_errors"])
-    # the XID counted before stays with the GPU it happened on
+    assert UUID3 not in render([f for f in families if not f.name.startswith("syncwatch_gpu_xid_")])
+    # the XID counted before, and its time, stay with the GPU it happened on
+    for metric in ("syncwatch_gpu_xid_errors_total",
+                   "syncwatch_gpu_xid_last_event_timestamp_seconds"):
+        assert reg.get_sample_value(metric, labels(3, xid="79")) is not None
+        assert reg.get_sample_value(metric, {"gpu": "3", "uuid": old[4].uuid, "xid": "79"}) is None
     assert reg.get_sample_value("syncwatch_gpu_xid_errors_total", labels(3, xid="79")) == 1
-    assert reg.get_sample_value("syncwatch_gpu_xid_errors_total",
-                                {"gpu": "3", "uuid": old[4].uuid, "xid": "79"}) is None
 
 
 def test_labels_match_rank_info_format():

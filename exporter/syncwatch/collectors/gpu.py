@@ -18,7 +18,11 @@ Failure semantics:
   from the older name of the same call. Any other NVML error drops that metric and is reported as
   a collector error.
 * XID errors come from an NVML event set drained without waiting (timeout 0) each cycle and are
-  counted per GPU and XID.
+  counted per GPU and XID, with the wall-clock time of the latest of each. NVML's event data
+  (``c_nvmlEventData_t``) carries no time: it is when the daemon drained the event, normally
+  within one collector interval. The alerts use that time, not the counter: a counter restarts
+  at 0 with the daemon and its series only appears at the first XID, so ``increase()`` missed
+  an XID soon after Prometheus first scraped a daemon, and one that recurred after a restart.
 
 A call that hangs inside the driver is handled by the runner (one worker, per-call timeout).
 """
@@ -61,11 +65,13 @@ class _GpuForbidden(Exception):
 
 class GpuCollector:
     def __init__(self, nvml=None, *, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time,
                  backoff: tuple[float, float] = (10.0, 300.0)):
         if nvml is None:
             import pynvml as nvml
         self.nvml = nvml
         self.clock = clock
+        self.wall_clock = wall_clock
         self._backoff_min, self._backoff_max = backoff
         self._backoff = self._backoff_min
         self._retry_at = 0.0
@@ -74,6 +80,7 @@ class GpuCollector:
         self._events = None
         self._uuids: dict[int, str] = {}  # NVML index -> UUID, for this initialization only
         self._xids: Counter[tuple[int, str, int]] = Counter()  # (index, uuid, xid) -> events
+        self._xid_last: dict[tuple[int, str, int], float] = {}  # ... -> wall time of the latest
         self._down_gpus: set[int] = set()
         self._throttle_reasons_call = False  # the driver predates nvmlDeviceGetCurrentClocksEventReasons
         nv = nvml
@@ -206,9 +213,14 @@ class GpuCollector:
         self._drain_xids(errors)
         xids = CounterMetricFamily("syncwatch_gpu_xid_errors", "XID critical errors reported by the driver.",
                                    labels=[*gu, "xid"])
+        xid_last = GaugeMetricFamily("syncwatch_gpu_xid_last_event_timestamp_seconds",
+                                     "Wall-clock time the daemon received the latest XID critical "
+                                     "error of this code from the driver (Unix seconds).",
+                                     labels=[*gu, "xid"])
         for (i, uuid, xid), n in sorted(self._xids.items()):
             xids.add_metric([str(i), uuid, str(xid)], n)
-        return [up, *gauges.values(), energy, throttle, ecc, replays, xids]
+            xid_last.add_metric([str(i), uuid, str(xid)], self._xid_last[(i, uuid, xid)])
+        return [up, *gauges.values(), energy, throttle, ecc, replays, xids, xid_last]
 
     def _read_gpu(self, i: int, errors: list[str]):
         nv = self.nvml
@@ -287,7 +299,8 @@ class GpuCollector:
         return None if kind is None else getattr(fv.value, kind)
 
     def _drain_xids(self, errors: list[str]) -> None:
-        """Count pending XID events without waiting (timeout 0 answers NVML_ERROR_TIMEOUT when empty)."""
+        """Count pending XID events and note when each arrived, without waiting (timeout 0 answers
+        NVML_ERROR_TIMEOUT when empty)."""
         nv = self.nvml
         if self._events is None:
             return
@@ -304,7 +317,9 @@ class GpuCollector:
                 index = nv.nvmlDeviceGetIndex(data.device)
             except nv.NVMLError:
                 continue
-            self._xids[(index, self._uuids.get(index, ""), int(data.eventData))] += 1
+            key = (index, self._uuids.get(index, ""), int(data.eventData))
+            self._xids[key] += 1
+            self._xid_last[key] = self.wall_clock()
 
 
 def _raise(e: Exception):
