@@ -242,15 +242,14 @@ def hardware(c: Ctx) -> list[dict]:
         "    and on (train_job)\n"
         f"    train_job:syncwatch_coupling:ratio5m >= {t.straggler_min_coupling:g}\n  )\n)")
 
-    def xid_new(selector: str) -> str:
-        """XID counts that rose in the hardware window, or whose series appeared in it: the daemon
-        exports an (xid, GPU) series from its first occurrence on, at 1, and ``increase`` needs
-        two samples of a series, so alone it missed the first XID of each code (XID 79 comes once).
-        A series counts as new only if its daemon was scraped a window ago (``build_info``), so a
-        Prometheus that starts, or returns from a long gap, does not page for old XIDs."""
-        xid = f"syncwatch_gpu_xid_errors_total{{{selector}}}"
-        return (f"increase({xid}[{hw}]) > 0\nor\n(\n  ({xid} unless {xid} offset {hw})\n"
-                f"  and on (instance)\n  syncwatch_build_info offset {hw}\n)")
+    def xid_recent(selector: str) -> str:
+        """An XID the daemon received in the hardware window. Read from its count (``increase``,
+        or a series new in the window) it missed an XID whose series appeared within a window of
+        Prometheus first scraping the daemon (new for one evaluation, shorter than ``for:``), and
+        the same XID recurring after a daemon restart (1, gap, 1: no increase, and not new). An
+        XID received before the window does not page, however late Prometheus first sees it."""
+        return (f"time() - syncwatch_gpu_xid_last_event_timestamp_seconds{{{selector}}}\n"
+                f"< {c.seconds(w.hardware)}")
 
     # Each counter apart, told apart by a label: one increase() of all five at once (a
     # ``__name__`` regex) drops their names and keeps the port's labels five times, so the rule
@@ -279,13 +278,13 @@ def hardware(c: Ctx) -> list[dict]:
               f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) on {INSTANCE} is lost or needs a "
               f"reset; every train job using it is stalled or dead."),
         alert(c, "SyncwatchGpuXidCritical",
-              xid_new(f'xid=~"{t.xid_critical}"'),
+              xid_recent(f'xid=~"{t.xid_critical}"'),
               w.for_xid, "critical",
               "A GPU reported a fatal XID error.",
               f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) on {INSTANCE} reported XID "
               f"{{{{ $labels.xid }}}} in the last {hw}: drain the node and reset or replace the GPU."),
         alert(c, "SyncwatchGpuXidError",
-              xid_new(f'xid!~"{t.xid_critical}"'),
+              xid_recent(f'xid!~"{t.xid_critical}"'),
               w.for_xid, "warning",
               "A GPU reported an XID error.",
               f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) on {INSTANCE} reported XID "

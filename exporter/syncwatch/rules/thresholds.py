@@ -26,7 +26,7 @@ class Windows:
     baseline_offset: float = 10 * MINUTE  # ... ending this long ago (a rise is not its own baseline)
     trailing: float = 1 * HOUR          # trailing baselines of throughput and energy per sample
     restarts: float = 1 * HOUR          # restarts and re-run ratio
-    hardware: float = 10 * MINUTE       # error counter increases (XID, NIC, IB)
+    hardware: float = 10 * MINUTE       # error counter increases (NIC, IB), XIDs received
     desync: float = 5 * MINUTE          # a rank's collective sequence unchanged this long
     lost_lookback: float = 30 * MINUTE  # a rank seen this recently but gone now is lost
     # for: durations
