@@ -111,10 +111,14 @@ def test_stack_up_runs_from_a_wheel_installed_without_the_checkout(tmp_path):
                     "-w", str(tmp_path / "wheel"), str(ROOT)], check=True, timeout=300,
                    capture_output=True)
     (wheel,) = (tmp_path / "wheel").glob("syncwatch-*.whl")
+    installed = subprocess.run([sys.executable, "-m", "pip", "show", "-f", "syncwatch"],
+                               capture_output=True, text=True).stdout
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--prefix", str(venv),
-                    str(wheel)], check=True, timeout=300, capture_output=True)
+    # into that venv through --python: with --prefix, pip uninstalled this environment's own
+    # (editable) syncwatch as an "upgrade"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+                    "-q", "--no-deps", str(wheel)], check=True, timeout=300, capture_output=True)
     site = next(venv.glob("lib/python3*/site-packages"))
     # the dependencies from this environment, after the installed syncwatch on the path
     deps = [p for p in sys.path if p.endswith("site-packages")]
@@ -141,3 +145,5 @@ def test_stack_up_runs_from_a_wheel_installed_without_the_checkout(tmp_path):
         if stack.poll() is None:
             stack.kill()
             stack.wait()
+    assert subprocess.run([sys.executable, "-m", "pip", "show", "-f", "syncwatch"],
+                          capture_output=True, text=True).stdout == installed  # left as it was
