@@ -12,10 +12,13 @@ A synchronous step ends when the slowest rank arrives, plus the collective:
   maximum of N standard normals, ``orderstats``). Without the skew exchange the slack, and with
   it ``sigma``, the coupling and the collective, are estimated from mean waits (``JobView``):
   jitter averages out of them, so the projection's growth is a floor, and it says so.
-* collective — the baseline (median) collective time grows with the inter-node all-reduce:
+* collective — the baseline collective time grows with the inter-node all-reduce:
   ring ``(n'-1)/n' / ((n-1)/n)`` of bandwidth term plus ``2 (n'-n) alpha``; tree
   ``ceil(log2 n') / ceil(log2 n)``; ``none`` keeps it as measured (the simulator's assumption).
-* congestion episodes — steps whose collective exceeds 1.5x the baseline: their probability
+* congestion episodes — from a recorded run, steps whose collective exceeds 1.5x the baseline (the
+  median step); from Prometheus, whose windows each mix quiet and congested steps, the baseline is
+  the 20th-percentile window and q and f solve the per-step collective's mean and variance (the
+  step CV's variance less the slowest rank's; ``_window_episodes``). Their probability
   ``q`` grows as ``(n'/n)^gamma`` (gamma = 2: pairwise flow collisions on an oversubscribed
   fabric), their inflation ``f`` stays. Where ``q`` reaches 1 every step is an episode: the
   steps are uniformly slower, and the variance episodes add, ``q(1-q)``, falls to 0, so the
@@ -26,7 +29,9 @@ Then ``E[T'] = E[M'] + c' (1 + q'(f-1))``, ``Var T' = Var M' + c'^2 (f-1)^2 q'(1
 = sd/mean, coupling = ``(E[M'] - mu) / E[T']`` (mean slack over step time), throughput
 ``R' b / E[T']``. Weak scaling keeps the per-rank batch; strong scaling keeps the global batch
 (per-rank compute shrinks by ``1/k``). The sync wall is the node count of the highest throughput:
-beyond it adding nodes no longer shortens the job.
+beyond it adding nodes no longer shortens the job. The model's step CV at the measured scale is
+checked against the measured one (``cv_check``): where they differ more than 2x, so do the
+projected CVs.
 """
 
 from __future__ import annotations
@@ -43,6 +48,15 @@ from .source import add_source_flags, view_from_args
 from .view import JobView
 
 EPISODE = 1.5  # a step's collective above this x baseline is a congestion episode
+# from Prometheus: the mean collective must exceed the quiet windows' by this share to hold episodes;
+# over four exchange periods a window's collective time errs by up to ~9 % (view.py), a healthy
+# job's mean sits a few % above its 20th-percentile window
+MIN_EXCESS = 0.10
+# the model's step CV at the measured scale against the measured one: the daemon's CV over its
+# last 100 steps, read at a few window ends, read 0.6-2.9 % on one healthy run with the window
+# grid, as a rare stall or episode fell inside or outside them; beyond a factor of 2 the model is
+# missing (or inventing) variability
+CV_DISAGREE = 2.0
 # measured inputs read from slack, estimated from mean waits without the skew exchange
 ESTIMATED = ["coupling", "sigma", "collective"]
 ESTIMATE_NOTE = ("estimated from mean waits (skew exchange off): coupling and sigma are lower bounds (jitter "
@@ -115,20 +129,48 @@ def measure_view(v: JobView) -> Measurement:
     mean_step = step_s / steps
     mu = (step_s - sync) / steps
     mean_slack = slack / steps
-    sigma = mean_slack / normal_max_moments(ranks)[0] if ranks > 1 else 0.0
+    e_max, sd_max = normal_max_moments(ranks) if ranks > 1 else (1.0, 0.0)
+    sigma = mean_slack / e_max if ranks > 1 else 0.0
     coll = [x for x in v.collective_series() if x is not None]
     if not coll:
         raise AnalysisError("no complete window in range to measure the collective time")
-    # windows average several steps: their excess over the median window is the episodes' share
-    c = statistics.median(coll)
-    excess = max(0.0, (sum(coll) / len(coll)) / c - 1) if c > 0 else 0.0
-    cv = [x for x in v.cv if x is not None]
+    # the daemon's CV covers its last W steps at each window end: their variances average, not the CVs
+    step_var = [(cv * m) ** 2 for cv, m in zip(v.cv, v.mean_step_series()) if cv is not None and m is not None]
+    var_t = sum(step_var) / len(step_var) if step_var else None
+    mean_coll = (sync - slack) / steps
+    c, q, f = _window_episodes(coll, mean_coll, None if var_t is None else var_t - (sigma * sd_max) ** 2)
     return Measurement(nodes=len(v.nodes), ranks=ranks, steps=int(steps / max(1, ranks)),
                        method="prometheus counters (gaussian)", mean_compute=mu, collective=c,
-                       congestion_probability=min(1.0, excess), congestion_inflation=2.0 if excess else 1.0,
+                       congestion_probability=q, congestion_inflation=f,
                        samples_per_rank_step=v.samples_per_rank_step, mean_step=mean_step,
-                       step_cv=sum(cv) / len(cv) if cv else None, coupling=slack / step_s, sigma=sigma,
+                       step_cv=math.sqrt(var_t) / mean_step if var_t is not None else None,
+                       coupling=slack / step_s, sigma=sigma,
                        estimated=[] if v.has_exact() else list(ESTIMATED))
+
+
+def _window_episodes(windows: list[float], mean: float, step_var: float | None) -> tuple[float, float, float]:
+    """(baseline, episode probability q, inflation f) of the collective from per-window means.
+
+    A window of n steps holding a share q_w of episodes reads ``c (1 + q_w (f - 1))``: windows of
+    tens to hundreds of steps mix quiet and congested steps, so no window shows f, and the median
+    window sits near the mean. The baseline ``c`` is the 20th percentile of the windows (the quiet
+    fifth, as ``diagnose`` reads it; an upper bound where every window holds episodes). Two moments
+    of the per-step collective then give q and f: the mean ``c (1 + e)`` with ``e = q (f - 1)``,
+    and the variance ``V = c^2 (f - 1)^2 q (1 - q)``, which is the measured per-step variance of the
+    step time less the slowest rank's (``step_var``, from the daemon's step CV). Hence
+    ``f - 1 = (V / c^2 + e^2) / e`` and ``q = e / (f - 1)``. Window means vary less than steps do,
+    so their variance is a floor of V (and V itself without a step CV in range).
+    """
+    base = statistics.quantiles(windows, n=5)[0] if len(windows) > 1 else windows[0]
+    if base <= 0:
+        return 0.0, 0.0, 1.0
+    excess = mean / base - 1
+    if excess < MIN_EXCESS:
+        return base, 0.0, 1.0
+    floor = statistics.pvariance(windows)
+    var = floor if step_var is None else max(step_var, floor)
+    spread = (var / base ** 2 + excess ** 2) / excess
+    return base, excess / spread, 1 + spread
 
 
 def _max_moments(sorted_sample: list[float], k: float) -> tuple[float, float]:
@@ -215,8 +257,22 @@ def projection(m: Measurement, targets: list[int], o: Options, max_nodes: int) -
         p["scaling_efficiency"] = p["throughput"] / (base["throughput"] * n / m.nodes) \
             if o.scaling == "weak" else base["mean_step_seconds"] / p["mean_step_seconds"] / (n / m.nodes)
         rows.append(p)
-    return {"measured": m.to_dict(), "model_at_measured": base, "options": asdict(o),
-            "projections": rows, "sync_wall": sync_wall(m, o, max_nodes)}
+    return {"measured": m.to_dict(), "model_at_measured": base, "step_cv_check": cv_check(m, base),
+            "options": asdict(o), "projections": rows, "sync_wall": sync_wall(m, o, max_nodes)}
+
+
+def cv_check(m: Measurement, base: dict) -> dict | None:
+    """The model's step CV at the measured scale against the measured one (None: none measured).
+
+    Every projected CV grows from the model's variability; one that misses the measured at its own
+    scale by more than ``CV_DISAGREE`` (episodes the windows averaged away, steps slowed together,
+    rare stalls) projects a CV that far off.
+    """
+    if not m.step_cv:
+        return None
+    ratio = base["step_cv"] / m.step_cv
+    return {"model": base["step_cv"], "measured": m.step_cv, "ratio": ratio,
+            "agrees": 1 / CV_DISAGREE <= ratio <= CV_DISAGREE}
 
 
 # ---------------------------------------------------------------- CLI
@@ -278,6 +334,15 @@ def summary(res: dict) -> str:
                      f"{pct(p['scaling_efficiency']):>10}")
     w = res["sync_wall"]
     lines.append(f"  (throughput in {unit})")
+    check = res["step_cv_check"]
+    if check is not None and not check["agrees"]:
+        low = check["ratio"] < 1
+        lines.append(f"  step CV check: the model gives {pct(check['model'])} at the measured scale against "
+                     f"{pct(check['measured'])} measured (off by more than {CV_DISAGREE:g}x): "
+                     + ("it lacks variability the job has (steps slowed together, rare stalls, or congestion "
+                        "episodes in every window, which the windows average away), so the projected step "
+                        "CVs are floors" if low else
+                        "it holds variability the job does not show, so the projected step CVs are overstated"))
     saturated = [p["nodes"] for p in res["projections"] if p["congestion_saturated"]]
     if saturated:
         lines.append(f"  congestion episodes in every step from {min(saturated)} nodes: the model's "
