@@ -21,9 +21,23 @@ def test_demo_sends_to_a_running_daemon_and_starts_none(sock_path):
             env=subprocess_env(), capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         assert "scrape" not in result.stdout  # no daemon of its own
+        assert "warning" not in result.stderr, result.stderr
         with urllib.request.urlopen(daemon.url + "/metrics", timeout=5) as r:
             families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
     steps = {s.labels["rank"]: s.value for s in families["syncwatch_steps"].samples
              if s.name == "syncwatch_steps_total" and s.labels["train_job"] == "compose-demo"}
     assert set(steps) == {"0", "1", "2", "3"}
     assert min(steps.values()) > 0
+
+
+def test_demo_sending_to_no_socket_says_so(tmp_path):
+    """A typo in ``--send-to`` looked like a working demo: exit 0 and the usual summary lines (the
+    simulator's own numbers), while every record was dropped."""
+    missing = tmp_path / "ingest.sock"
+    result = subprocess.run(
+        [sys.executable, "-m", "syncwatch", "demo", f"--send-to={missing}", "--nodes=1",
+         "--ranks-per-node=2", "--step-time=0.05", "--duration=1"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert (f"syncwatch demo: warning: {missing} is not a socket (yet): nothing is received until "
+            "a daemon listens there") in result.stderr

@@ -1103,6 +1103,23 @@ def test_syncwatch_run_environment_and_errors(tmp_path):
     assert out.stdout.strip() == "True", out.stderr
 
 
+@pytest.mark.parametrize("option, says", [
+    (["--udp", "bogus"], "--udp: UDP address must look like 127.0.0.1:9478, got 'bogus'"),
+    (["--heartbeat", "0"], "--heartbeat must be a positive number of seconds, got 0"),
+    (["--skew-every", "-1"], "--skew-every must be 0 (off) or a number of steps, got -1"),
+    (["--skew-seconds", "nan"], "--skew-seconds must be 0 or a positive number, got nan"),
+])
+def test_syncwatch_run_refuses_a_bad_option_before_running_the_command(tmp_path, option, says):
+    """A bad ``--udp`` was handed to the ranks, each of which printed a traceback and trained
+    unmonitored; a heartbeat of 0 or a negative K quietly turned heartbeats or the exchange off.
+    Refused in one line, and the command never runs."""
+    ran = tmp_path / "ran"
+    out = subprocess.run([sys.executable, "-m", "syncwatch.instrument.run", *option, "touch",
+                          str(ran)], env=subprocess_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and out.stderr == f"syncwatch-run: {says}\n" and not ran.exists()
+
+
 def test_syncwatch_run_from_another_environment_shadows_none_of_the_programs_modules(
         tmp_path, monkeypatch):
     """syncwatch-run installed in its own environment (pipx, a tools venv) runs a program whose

@@ -18,11 +18,12 @@ program's environment has no syncwatch, the ``sitecustomize`` loads this one fro
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
 from ..cli import Parser, add_flag, plain
-from ..sender import DEFAULT_SOCKET
+from ..sender import DEFAULT_SOCKET, parse_udp
 from ..skew import EXCHANGE_SECONDS
 from . import DEFAULT_EXCHANGE_EVERY, DEFAULT_HEARTBEAT_SECONDS
 
@@ -64,11 +65,34 @@ def child_env(args, environ=None) -> dict[str, str]:
     return env
 
 
+def _bad_option(args) -> str | None:
+    """What is wrong with the options, checked before the command runs: every rank would
+    otherwise print a traceback and train unmonitored (a bad ``--udp``), or quietly run without
+    heartbeats or the exchange (a heartbeat of 0, a negative K)."""
+    if args.udp is not None:
+        try:
+            parse_udp(args.udp)
+        except ValueError as e:
+            return f"--udp: {e}"
+    if args.heartbeat is not None and not (math.isfinite(args.heartbeat) and args.heartbeat > 0):
+        return f"--heartbeat must be a positive number of seconds, got {args.heartbeat:g}"
+    if args.skew_every is not None and args.skew_every < 0:
+        return f"--skew-every must be 0 (off) or a number of steps, got {args.skew_every}"
+    if args.skew_seconds is not None and not (math.isfinite(args.skew_seconds)
+                                              and args.skew_seconds >= 0):
+        return f"--skew-seconds must be 0 or a positive number, got {args.skew_seconds:g}"
+    return None
+
+
 def run(args) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         print("syncwatch-run: no command given (e.g. syncwatch-run torchrun train.py)",
               file=sys.stderr)
+        return 2
+    bad = _bad_option(args)
+    if bad:
+        print(f"syncwatch-run: {bad}", file=sys.stderr)
         return 2
     try:
         os.execvpe(command[0], command, child_env(args))

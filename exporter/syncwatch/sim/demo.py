@@ -23,6 +23,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -35,6 +36,14 @@ from .model import format_sweep, scaling_sweep
 from .scenarios import SCENARIOS, ScenarioThread
 
 NODE_PREFIX = "sim-node-"
+
+
+def _mode(path: str) -> int:
+    """``path``'s file mode, 0 where it does not exist (or cannot be looked at)."""
+    try:
+        return os.stat(path).st_mode
+    except OSError:
+        return 0
 
 
 def _flag(parser, flag: str, **kw) -> None:
@@ -177,6 +186,10 @@ def _run(args) -> int:
             print(f"  {node_name(NODE_PREFIX, n)}: scrape {d.url}/metrics  (ingest {d.socket_path})")
         if args.send_to:
             print(f"  every node sends to the daemon on {args.send_to}")
+            if not stat.S_ISSOCK(_mode(args.send_to)):  # a warning: in compose the daemon may
+                # create it a moment later; its summary lines are the simulator's own numbers
+                print(f"syncwatch demo: warning: {args.send_to} is not a socket (yet): nothing "
+                      "is received until a daemon listens there", file=sys.stderr)
         else:
             targets = ",".join(d.url.removeprefix("http://") for d in daemons)
             print(f"Prometheus and Alertmanager beside it: syncwatch stack up --targets {targets}")
