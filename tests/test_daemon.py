@@ -427,6 +427,24 @@ def test_restarts_and_rerun_steps(daemon, client):
     assert value(m, "syncwatch_last_step", train_job="job-a", rank=0) == 61
 
 
+def test_two_live_processes_as_one_rank_are_a_conflict_not_a_restart_each_record(daemon, client):
+    """Two runs that share a job name on one node: pids 21 and 22 are both rank 0 of attempt 0,
+    their records interleaved. Each replaced the other's state in turn: steps_total swung between
+    their counts (a counter reset at every scrape), and each swing to the lower step counted a
+    restart (10 restarts, 1010 re-run steps over 10 steps each). The second process takes over
+    once, as a restart in place would; the first one speaking again is then a conflict, rejected."""
+    a, b = RankSim(identity(0, pid=21)), RankSim(identity(0, pid=22))
+    for s in range(10):
+        client.send(a.step(101 + s, 0.1), b.step(1 + s, 0.1))
+    wait_records(daemon.url, 20)
+    m = scrape(daemon.url)
+    assert value(m, "syncwatch_ingest_rejected_total", reason="identity_conflict") == 9
+    assert value(m, "syncwatch_steps_total", train_job="job-a", rank=0) == 10  # the later run's
+    assert value(m, "syncwatch_job_restarts_total", train_job="job-a") == 1  # its take-over
+    assert value(m, "syncwatch_rank_info", train_job="job-a", rank=0, local_rank=0, node="node-1",
+                 gpu="", uuid="", pid=22) == 1
+
+
 def test_a_restarted_process_before_its_first_step_has_no_step_timestamp(daemon, client):
     """What SyncwatchJobStuckAtStart reads: a restart that hangs before its first step leaves
     its rank reporting (rank_info, its phase) without a step timestamp, not the old process's."""

@@ -73,7 +73,8 @@ MIN_WALL, MAX_WALL = 1e9, 1e10  # 2001 .. 2286
 LABEL_RE = re.compile(r"[A-Za-z0-9_.:@/+=-]{1,128}")
 
 REJECT_REASONS = ("too_large", "truncated", "bad_magic", "unknown_version", "unknown_kind",
-                  "unknown_fields", "bad_identity", "bad_value", "rank_limit", "job_limit")
+                  "unknown_fields", "bad_identity", "bad_value", "rank_limit", "job_limit",
+                  "identity_conflict")
 
 HEADER = struct.Struct("<2sBBH")
 IDENT_FIXED = struct.Struct("<iiiiiI")

@@ -19,7 +19,7 @@ import time
 
 from ..protocol import MAX_DATAGRAM, Decoder, ProtocolError
 from .config import parse_address
-from .state import State
+from .state import COUNTED_HERE, State
 
 log = logging.getLogger("syncwatch.daemon")
 
@@ -217,8 +217,8 @@ class Ingest:
                 try:
                     apply(decode(data))
                 except ProtocolError as e:
-                    if e.reason not in ("rank_limit", "job_limit"):
-                        state.reject(e.reason)  # apply() counts the limits itself
+                    if e.reason not in COUNTED_HERE:
+                        state.reject(e.reason)  # apply() counts its own
                     self._log_reject(e)
                 except Exception:  # a bug must not kill the reader
                     state.reject("bad_value")

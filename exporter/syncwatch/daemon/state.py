@@ -44,6 +44,7 @@ _PAUSES = tuple(PHASE_INDEX[name] for name in PAUSES)
 # or been silent this long (three of the ranks' default 5 s heartbeats), it is a new process
 # whose attempt is lower: two resumes in one process (attempts 1, 2), then a launcher restart (1).
 SUPERSEDE_SECONDS = 15.0
+COUNTED_HERE = frozenset({"rank_limit", "job_limit", "identity_conflict"})  # by apply() itself
 
 
 class Histogram:
@@ -80,7 +81,7 @@ class Histogram:
 class RankState:
     __slots__ = ("ident", "totals", "exact", "has_tokens", "step_seen", "window", "version",
                  "stats", "last_step", "last_step_wall", "seq", "hb_phase", "hb_elapsed",
-                 "dropped", "errors", "seen", "ended")
+                 "dropped", "errors", "seen", "ended", "superseded")
 
     def __init__(self, ident: Identity, window: int, now: float):
         self.ident = ident
@@ -103,6 +104,9 @@ class RankState:
         self.errors = -1                        # and internal-errors count reported; -1: none yet
         self.seen = now                         # monotonic time of the last record
         self.ended = False
+        # (pid, attempt) of the process of the same attempt this one took over from: a restart
+        # in place, unless that one speaks again (identity_conflict)
+        self.superseded: tuple[int, int] | None = None
 
 
 class JobState:
@@ -241,8 +245,8 @@ class State:
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
     def apply(self, rec: Record) -> None:
-        """Apply one decoded record. Raises ``ProtocolError``: rank_limit and job_limit, which it
-        counts; bad_value (a step count that went down), which the caller counts, as it counts
+        """Apply one decoded record. Raises ``ProtocolError``: rank_limit, job_limit and
+        identity_conflict (``COUNTED_HERE``), which it counts; bad_value (a step count that went down), which the caller counts, as it counts
         the decoder's."""
         ident = rec.identity
         now = self._clock()
@@ -282,6 +286,16 @@ class State:
             if self.n_ranks >= self.config.max_ranks:
                 raise ProtocolError("rank_limit", f"already {self.n_ranks} ranks")
             self.n_ranks += 1
+        elif (ident.pid, ident.attempt) == r.superseded:
+            # The process this one took over from speaks again: both live, the same rank of the
+            # same attempt (two runs sharing a job name, or two names the sanitizer made one).
+            # Taken in turn, each replaced the other's state: the counters swung between the two
+            # runs' (a reset at every scrape), and each swing to the lower step was a restart.
+            raise ProtocolError("identity_conflict",
+                                f"train job {ident.train_job!r} rank {ident.rank} attempt "
+                                f"{ident.attempt}: pid {ident.pid} on {ident.node} is still "
+                                f"running, after pid {r.ident.pid} on {r.ident.node} took over as "
+                                f"the same rank: two runs with one job name? The later one is kept")
         elif ident.attempt < r.ident.attempt and (
                 ident.pid == r.ident.pid or not (r.ended or now - r.seen > SUPERSEDE_SECONDS)):
             return None, job
@@ -291,7 +305,9 @@ class State:
             return r, job
         # A new rank, or a new process / attempt for it: fresh state (counter resets are fine).
         _move_node(job, None if r is None else r.ident.node, ident.node)
+        before = None if r is None else (r.ident.pid, r.ident.attempt)
         r = job.ranks[ident.rank] = RankState(ident, self.config.window, now)
+        r.superseded = before if before is not None and before[1] == ident.attempt else None
         return r, job
 
     def _rank0_identity(self, job: JobState, ident: Identity) -> None:
