@@ -36,9 +36,9 @@ def render_times(ranks: int) -> tuple[float, float, int, int]:
         for e in encs:  # every window changes: statistics recomputed at each render
             state.apply(dec.decode(step_record(e, step)))
         t0 = time.perf_counter()
-        body, _ = render(reg, "text/plain", "")
+        body, _ = render(reg, "text/plain", False)
         t1 = time.perf_counter()
-        render(reg, "application/openmetrics-text; version=1.0.0", "gzip")
+        render(reg, "application/openmetrics-text; version=1.0.0", True)
         t2 = time.perf_counter()
         text.append(t1 - t0)
         om.append(t2 - t1)

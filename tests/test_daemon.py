@@ -320,6 +320,40 @@ def test_node_histograms_follow_the_ranks_not_every_node_label_ever_seen(sock_pa
         assert value(scrape(d.url), "syncwatch_step_duration_seconds_count", **node1) == 2
 
 
+def test_scrapes_that_arrive_during_a_render_share_it(sock_path, monkeypatch):
+    """Renders queued one per request: scrapes their clients had given up on still rendered one
+    after another (40 abandoned scrapes of a 0.4 s render held the next one past Prometheus' 10 s
+    timeout). A scrape that arrives while a render of its format is under way now gets that
+    render: 12 scrapes at once of a render slowed to 0.5 s make one render per format (at most
+    two, for one that arrives late on a busy machine), not 12."""
+    import concurrent.futures
+    import syncwatch.daemon.app as app_mod
+    renders = []
+    real = app_mod.render
+
+    def slow_render(registry, accept, gzipped):
+        renders.append((accept, gzipped))
+        time.sleep(0.5)
+        return real(registry, accept, gzipped)
+
+    monkeypatch.setattr(app_mod, "render", slow_render)
+    with DaemonThread(config(sock_path)) as d:
+        Client(d.socket_path).send(RankSim(identity(0)).step(1, 0.1))
+        wait_records(d.url, 1)
+
+        def scrape_as(gzipped: bool) -> bytes:
+            req = urllib.request.Request(d.url + "/metrics",
+                                         headers={"Accept-Encoding": "gzip"} if gzipped else {})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                body = r.read()
+            return gzip.decompress(body) if gzipped else body
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            bodies = list(pool.map(scrape_as, [i % 2 == 0 for i in range(12)]))
+    assert len(set(bodies)) == 1 and b"syncwatch_steps_total" in bodies[0]
+    assert len(renders) <= 4 and {g for _, g in renders} == {False, True}, renders
+
+
 def test_promtool_check_metrics_passes_on_a_real_scrape(daemon, client):
     promtool = shutil.which("promtool")
     if promtool is None:

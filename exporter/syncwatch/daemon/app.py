@@ -34,6 +34,8 @@ STATE = web.AppKey("state", State)
 INGEST = web.AppKey("ingest", Ingest)
 REGISTRY = web.AppKey("registry", GuardedRegistry)
 EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
+# the render under way per (content type, gzip): scrapes that arrive meanwhile share it
+RENDERING = web.AppKey("rendering", dict)
 
 EXPIRE_EVERY = 1.0  # seconds between liveness sweeps (also done at every scrape)
 
@@ -49,22 +51,33 @@ def _accepts_text(accept: str) -> bool:
     return False
 
 
-def render(registry: GuardedRegistry, accept: str, accept_encoding: str) -> tuple[bytes, dict]:
+def render(registry: GuardedRegistry, accept: str, gzipped: bool) -> tuple[bytes, dict]:
     """Render the exposition for one scrape: (body, headers)."""
     encoder, content_type = choose_encoder("" if _accepts_text(accept) else accept)
     body = encoder(registry)
     headers = {"Content-Type": content_type}
-    if "gzip" in accept_encoding:
+    if gzipped:
         body = gzip.compress(body, compresslevel=1)
         headers["Content-Encoding"] = "gzip"
     return body, headers
 
 
 async def _metrics(request: web.Request) -> web.Response:
+    """A scrape that arrives while a render of the same format is under way gets that render.
+    Renders queued one per request: scrapes their clients had given up on (Prometheus' timeout,
+    a dashboard closed) still rendered one after another, and the next scrape waited behind all of
+    them (40 abandoned scrapes of a 0.4 s render held the next one past Prometheus' 10 s timeout)."""
     app = request.app
-    body, headers = await asyncio.get_running_loop().run_in_executor(
-        app[EXECUTOR], render, app[REGISTRY], request.headers.get("Accept", ""),
-        request.headers.get("Accept-Encoding", ""))
+    accept = request.headers.get("Accept", "")
+    gzipped = "gzip" in request.headers.get("Accept-Encoding", "")
+    key = (choose_encoder("" if _accepts_text(accept) else accept)[1], gzipped)
+    rendering = app[RENDERING]
+    shared = rendering.get(key)
+    if shared is None:
+        shared = rendering[key] = asyncio.get_running_loop().run_in_executor(
+            app[EXECUTOR], render, app[REGISTRY], accept, gzipped)
+        shared.add_done_callback(lambda done: rendering.pop(key, None))
+    body, headers = await asyncio.shield(shared)  # one client leaving cancels no one else's
     return web.Response(body=body, headers=headers)
 
 
@@ -131,6 +144,7 @@ def create_app(config: DaemonConfig, extra_collectors: Sequence = ()) -> web.App
     app[INGEST] = Ingest(state, config.socket, config.udp)
     app[REGISTRY] = GuardedRegistry([StateCollector(state), *extra_collectors])
     app[EXECUTOR] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncwatch-render")
+    app[RENDERING] = {}
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/", _index)
