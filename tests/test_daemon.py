@@ -354,6 +354,22 @@ def test_scrapes_that_arrive_during_a_render_share_it(sock_path, monkeypatch):
     assert len(renders) <= 4 and {g for _, g in renders} == {False, True}, renders
 
 
+def test_a_burst_of_rejects_is_logged_whole_once_it_is_over(sock_path, monkeypatch, caplog):
+    """Rejects are logged once per reason per interval, the rest counted: the count was told
+    only with the next reject of that reason, so a burst that ended was never logged whole."""
+    import syncwatch.daemon.ingest as ingest_mod
+    monkeypatch.setattr(ingest_mod, "REJECT_LOG_EVERY", 0.5)
+    caplog.set_level("WARNING", logger="syncwatch.daemon")
+    with DaemonThread(config(sock_path)) as d:
+        Client(d.socket_path).send(*[b"garbage"] * 5)
+        wait_records(d.url, 5)
+        wait_for(lambda: any("more record" in r.getMessage() for r in caplog.records), 10,
+                 "the held-back rejects to be logged")
+    lines = [r.getMessage() for r in caplog.records if "reject" in r.getMessage()]
+    assert lines[0].startswith("rejected record: ") and "more like it" not in lines[0]
+    assert lines[1:] == ["rejected 4 more record(s) for bad_magic in the last 0.5 s"], lines
+
+
 def test_promtool_check_metrics_passes_on_a_real_scrape(daemon, client):
     promtool = shutil.which("promtool")
     if promtool is None:

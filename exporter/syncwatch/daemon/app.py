@@ -98,12 +98,13 @@ async def _ingest_ctx(app: web.Application):
 
 
 async def _expire_ctx(app: web.Application):
-    state = app[STATE]
+    state, ingest = app[STATE], app[INGEST]
 
     async def sweep():
         while True:
             await asyncio.sleep(min(EXPIRE_EVERY, app[CONFIG].rank_ttl / 4))
             state.expire()
+            ingest.flush_reject_log()
 
     task = asyncio.create_task(sweep())
     yield

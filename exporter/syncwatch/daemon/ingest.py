@@ -146,6 +146,7 @@ class Ingest:
         self._unix_ino: int | None = None
         self._last_log: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
+        self._log_lock = threading.Lock()  # the readers log rejects, the event loop flushes
 
     def start(self) -> None:
         try:
@@ -226,11 +227,24 @@ class Ingest:
 
     def _log_reject(self, e: ProtocolError) -> None:
         now = time.monotonic()
-        last = self._last_log.get(e.reason)
-        if last is not None and now - last < REJECT_LOG_EVERY:
-            self._suppressed[e.reason] = self._suppressed.get(e.reason, 0) + 1
-            return
-        self._last_log[e.reason] = now
-        more = self._suppressed.pop(e.reason, 0)
+        with self._log_lock:
+            last = self._last_log.get(e.reason)
+            if last is not None and now - last < REJECT_LOG_EVERY:
+                self._suppressed[e.reason] = self._suppressed.get(e.reason, 0) + 1
+                return
+            self._last_log[e.reason] = now
+            more = self._suppressed.pop(e.reason, 0)
         log.warning("rejected record: %s%s", e,
                     f" ({more} more like it in the last {REJECT_LOG_EVERY:g} s)" if more else "")
+
+    def flush_reject_log(self) -> None:
+        """Log the rejects the rate limit held back once their interval is over. They were told
+        only with the next reject of the same reason: the size of a burst that ended was never
+        logged."""
+        now = time.monotonic()
+        with self._log_lock:
+            held = {reason: self._suppressed.pop(reason) for reason in list(self._suppressed)
+                    if now - self._last_log[reason] >= REJECT_LOG_EVERY}
+        for reason, n in held.items():
+            log.warning("rejected %d more record(s) for %s in the last %g s", n, reason,
+                        REJECT_LOG_EVERY)
