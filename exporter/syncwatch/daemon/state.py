@@ -181,8 +181,10 @@ def _check_totals(r: RankState, rec: StepRecord) -> None:
     exported counter would go down, which Prometheus reads as a reset and counts again."""
     held = r.totals
     if held is not None and rec.step > r.step_seen and rec.totals.steps < held.steps:
-        raise ProtocolError("bad_value", f"steps_total went down from {held.steps} to "
-                                         f"{rec.totals.steps} at step {rec.step}")
+        ident = rec.identity
+        raise ProtocolError("bad_value", f"train job {ident.train_job!r} rank {ident.rank} pid "
+                                         f"{ident.pid}: steps_total went down from {held.steps} "
+                                         f"to {rec.totals.steps} at step {rec.step}")
 
 
 def _move_node(job: JobState, old: str | None, new: str | None) -> None:
