@@ -1199,27 +1199,36 @@ def test_zero_code_keeps_no_model_the_script_lets_go_of(wrap):
     assert out.stdout.split() == ["3", "True"], out.stderr[-2000:]
 
 
+ZERO_CODE_PREAMBLE = ("from syncwatch.instrument import auto\n"
+                      "auto.install()\n"
+                      "import torch, torch.distributed as dist\n"
+                      "from torch.nn.parallel import DistributedDataParallel\n"
+                      "torch.set_num_threads(1)\n"
+                      "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, "
+                      "world_size=1)\n")
+
+
+def run_zero_code(rx, script: str, imports: str = "") -> None:
+    """Run ``script`` as one rank under zero-code mode (``imports`` first, before syncwatch
+    patches anything), reporting to ``rx``; assert it succeeded."""
+    out = subprocess.run([sys.executable, "-c", imports + ZERO_CODE_PREAMBLE + script],
+                         capture_output=True, text=True,
+                         env=subprocess_env(SYNCWATCH_SOCKET=rx.path), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_zero_code_counts_the_steps_and_samples_of_a_second_run_in_the_same_process(rx):
     """A sweep, a cross-validation, a retry: a new model and optimizer once the first are gone.
     Their steps end and count their samples; held by ``id``, only the first run's did (the new
     run's first step never ended, and the rank read as stalled)."""
-    code = ("import gc, os\n"
-            "from syncwatch.instrument import auto\n"
-            "auto.install()\n"
-            "import torch, torch.distributed as dist\n"
-            "from torch.nn.parallel import DistributedDataParallel\n"
-            "torch.set_num_threads(1)\n"
-            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
-            "for run in range(2):\n"
-            "    model = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
-            "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-            "    for _ in range(3):\n"
-            "        model(torch.randn(5, 8)).sum().backward(); opt.step(); opt.zero_grad()\n"
-            "    del model, opt\n"
-            "    gc.collect()\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=subprocess_env(SYNCWATCH_SOCKET=rx.path), timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    run_zero_code(rx, "for run in range(2):\n"
+                      "    model = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+                      "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "    for _ in range(3):\n"
+                      "        model(torch.randn(5, 8)).sum().backward()\n"
+                      "        opt.step(); opt.zero_grad()\n"
+                      "    del model, opt\n"
+                      "    gc.collect()\n", imports="import gc\n")
     recs = steps(rx, 6)
     assert [r.step for r in recs] == [1, 2, 3, 4, 5, 6]
     assert [r.samples for r in recs] == [5.0] * 6
@@ -1231,39 +1240,29 @@ def test_zero_code_times_only_the_training_threads_own_saves_as_checkpoint(rx):
     within an evaluation); a save within a save (DCP writes with ``torch.save``) as one; a save
     before the first forward (setup) and one on another thread (an asynchronous checkpointer)
     no step's. Each timed save sleeps 0.1 s, each untimed one 0.4 s."""
-    code = ("import io, threading, time\n"
-            "from syncwatch.instrument import auto\n"
-            "auto.install()\n"
-            "import torch, torch.distributed as dist\n"
-            "from torch.nn.parallel import DistributedDataParallel\n"
-            "torch.set_num_threads(1)\n"
-            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
-            "class Slow(io.BytesIO):\n"
-            "    def __init__(self, delay): super().__init__(); self.delay = delay\n"
-            "    def write(self, b):\n"
-            "        if self.delay: time.sleep(self.delay); self.delay = 0\n"
-            "        return super().write(b)\n"
-            "class Nested(Slow):\n"
-            "    def write(self, b):\n"
-            "        if self.delay: torch.save(1, Slow(self.delay)); self.delay = 0\n"
-            "        return super().write(b)\n"
-            "model = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
-            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-            "torch.save(1, Slow(0.4))\n"
-            "for i in range(4):\n"
-            "    model(torch.randn(5, 8)).sum().backward(); opt.step(); opt.zero_grad()\n"
-            "    if i == 0: torch.save(1, Slow(0.1))\n"
-            "    if i == 1:\n"
-            "        model.eval()\n"
-            "        with torch.no_grad(): model(torch.randn(5, 8)); time.sleep(0.1)\n"
-            "        torch.save(1, Nested(0.1)); time.sleep(0.1)\n"
-            "        model.train()\n"
-            "    if i == 2:\n"
-            "        t = threading.Thread(target=torch.save, args=(1, Slow(0.4)))\n"
-            "        t.start(); t.join()\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=subprocess_env(SYNCWATCH_SOCKET=rx.path), timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    run_zero_code(rx, "class Slow(io.BytesIO):\n"
+                      "    def __init__(self, delay): super().__init__(); self.delay = delay\n"
+                      "    def write(self, b):\n"
+                      "        if self.delay: time.sleep(self.delay); self.delay = 0\n"
+                      "        return super().write(b)\n"
+                      "class Nested(Slow):\n"
+                      "    def write(self, b):\n"
+                      "        if self.delay: torch.save(1, Slow(self.delay)); self.delay = 0\n"
+                      "        return super().write(b)\n"
+                      "model = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "torch.save(1, Slow(0.4))\n"
+                      "for i in range(4):\n"
+                      "    model(torch.randn(5, 8)).sum().backward(); opt.step(); opt.zero_grad()\n"
+                      "    if i == 0: torch.save(1, Slow(0.1))\n"
+                      "    if i == 1:\n"
+                      "        model.eval()\n"
+                      "        with torch.no_grad(): model(torch.randn(5, 8)); time.sleep(0.1)\n"
+                      "        torch.save(1, Nested(0.1)); time.sleep(0.1)\n"
+                      "        model.train()\n"
+                      "    if i == 2:\n"
+                      "        t = threading.Thread(target=torch.save, args=(1, Slow(0.4)))\n"
+                      "        t.start(); t.join()\n", imports="import io, threading, time\n")
     recs = steps(rx, 4)
     checkpoint, evaluation, data = ([r.phase_seconds[PHASE_INDEX[name]] for r in recs]
                                     for name in ("checkpoint", "eval", "data"))
