@@ -8,6 +8,10 @@ FROM python:3.11.13-slim-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY exporter ./exporter
+# the configuration and rule files the package installs for `syncwatch stack up` (pyproject.toml)
+COPY deploy/prometheus/prometheus.yml ./deploy/prometheus/
+COPY deploy/alertmanager/alertmanager.yml ./deploy/alertmanager/
+COPY alerts ./alerts
 # Wheels of syncwatch and its dependencies; the runtime stage installs them offline.
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 

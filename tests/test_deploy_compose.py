@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -265,6 +266,31 @@ def test_dockerfile_is_pinned_unprivileged_and_complete():
         if line.startswith("COPY ") and "--from=" not in line:
             for source in line.split()[1:-1]:
                 assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
+
+
+def test_dockerfile_build_stage_copies_what_the_wheel_needs(tmp_path):
+    """The build stage's ``pip wheel .`` sees only what it copies: a file that pyproject.toml
+    installs (its data files) left out fails the image build. Its COPY lines are replayed into a
+    directory and the wheel built from there."""
+    lines = [l.strip() for l in (ROOT / "Dockerfile").read_text().splitlines()
+             if l.strip() and not l.lstrip().startswith("#")]
+    build = lines[:[i for i, l in enumerate(lines) if l.startswith("FROM ")][1]]
+    context = tmp_path / "src"
+    for line in build:
+        if line.startswith("COPY "):
+            *sources, dest = line.split()[1:]
+            for source in sources:
+                target = context / dest / (Path(source).name if dest.endswith("/") else "")
+                if (ROOT / source).is_dir():
+                    shutil.copytree(ROOT / source, target,
+                                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info"))
+                else:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(ROOT / source, target)
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                             "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(context)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def documented_docker_run() -> list[str]:

@@ -2,6 +2,7 @@
 
 import collections
 import gc
+import glob
 import itertools
 import os
 import random
@@ -9,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import tomllib
 import weakref
 import zipfile
 
@@ -286,6 +288,12 @@ def test_an_install_without_a_c_compiler_falls_back_to_the_python_notes(tmp_path
     src.mkdir()
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(os.path.join(root, name), src / name)
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:  # what the wheel installs beside
+        data_files = tomllib.load(f)["tool"]["setuptools"]["data-files"]
+    for pattern in (p for patterns in data_files.values() for p in patterns):
+        for path in glob.glob(pattern, root_dir=root):
+            (src / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(os.path.join(root, path), src / path)
     shutil.copytree(os.path.join(root, "exporter"), src / "exporter",
                     ignore=shutil.ignore_patterns("*.so", "__pycache__", "*.egg-info"))
     env = dict(os.environ, CC="/bin/false")
