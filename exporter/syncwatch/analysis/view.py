@@ -292,8 +292,7 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
             if inst:
                 instance_node[inst] = node
 
-    interval, period = (scrape_interval(prom, sel, end, span, min(rank_node)) if rank_node
-                        else (None, None))
+    interval, period = cadences(prom, sel, end, span, sorted(rank_node)) if rank_node else (None, None)
     if interval is not None:
         min_window = max(min_window, SCRAPES_PER_WINDOW * interval)
     if period is not None:
@@ -379,22 +378,28 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
         restarts_from_attempts=restarts_from_attempts, rerun_steps_from_steps=rerun_from_steps)
 
 
-def scrape_interval(prom: Prometheus, sel: str, end: float, span: float,
-                    rank: int | str) -> tuple[float | None, float | None]:
-    """How often the job's series were scraped, and how often its skew exchange's results landed
-    (seconds; None where the samples cannot tell), from one rank's raw samples up to its last step
-    in the range (the rank that stepped last; ``rank`` at the range end where no step time is
-    exported): the median gap between its samples of ``syncwatch_steps_total`` over the range
-    (at most its last 10 minutes), and between the changes of its
-    ``syncwatch_slack_seconds_total`` (exported with the exchange on: it grows at each exchange
-    where the rank idled) over the last 10 minutes, however short the range, so that a range
-    shorter than one period is refused with the period it needs. An exchange that lands at every
-    scrape reads as the scrape interval.
+PERIOD_RANKS = 8  # ranks whose slack tells the exchange's period: all but a straggler idle
 
-    Only one rank and ten minutes are fetched: a long range at a short scrape interval holds
+
+def cadences(prom: Prometheus, sel: str, end: float, span: float,
+             ranks: list[int]) -> tuple[float | None, float | None]:
+    """How often the job's series were scraped, and how often its skew exchange's results land
+    (seconds; None where the samples cannot tell), up to the last step in the range (of the rank
+    that stepped last; the range end where no step time is exported).
+
+    The scrape interval: the median gap between one rank's raw samples of
+    ``syncwatch_steps_total`` over the range (at most its last 10 minutes): that rank's, else the
+    first of ``ranks``. The exchange's period: the median gap between the changes of
+    ``syncwatch_slack_seconds_total`` (exported with the exchange on), the shortest over up to
+    ``PERIOD_RANKS`` ranks spread over the job, over the last 10 minutes however short the range
+    (a range shorter than one period is refused with the period it needs). A rank's slack grows
+    at each exchange where it idled: every rank's but a persistent straggler's, whose slack stays
+    put for long. An exchange that lands at every scrape reads as the scrape interval.
+
+    Only a few ranks and ten minutes are fetched: a long range at a short scrape interval holds
     millions of samples, a few gaps tell the interval.
     """
-    t = end
+    t, rank = end, ranks[0]
     last = prom.query(f"max by (rank) (max_over_time(syncwatch_last_step_timestamp_seconds{{{sel}}}"
                       f"[{span:.0f}s]))", end)
     if last:
@@ -402,18 +407,24 @@ def scrape_interval(prom: Prometheus, sel: str, end: float, span: float,
         if label(key, "rank") is not None and math.isfinite(points[0][1]):
             rank, t = label(key, "rank"), min(end, points[0][1])
 
-    def gaps(metric: str, changes: bool, lookback: float) -> float | None:
+    def gaps(series: str, changes: bool, lookback: float) -> list[float]:
+        """The median gap of each series' samples (of its changes)."""
         ms = max(1, round(lookback * 1000))
-        res = prom.samples(f"{metric}{{{sel},rank={quote(str(rank))}}}[{ms}ms]", t)
         out = []
-        for pts in res.values():
+        for pts in prom.samples(f"{series}[{ms}ms]", t).values():
             if changes:
                 pts = [p for p, q in zip(pts[1:], pts) if p[1] != q[1]]
-            out += [b - a for (a, _), (b, _) in zip(pts, pts[1:]) if b > a]
-        return statistics.median(out) if out else None
+            between = [b - a for (a, _), (b, _) in zip(pts, pts[1:]) if b > a]
+            if between:
+                out.append(statistics.median(between))
+        return out
 
-    return (gaps("syncwatch_steps_total", False, min(span, 600.0)),
-            gaps("syncwatch_slack_seconds_total", True, 600.0))
+    spread = sorted(set(ranks[::max(1, len(ranks) // PERIOD_RANKS)][:PERIOD_RANKS]))
+    interval = gaps(f"syncwatch_steps_total{{{sel},rank={quote(str(rank))}}}", False,
+                    min(span, 600.0))
+    periods = gaps(f"syncwatch_slack_seconds_total{{{sel},rank=~{quote('|'.join(map(str, spread)))}}}",
+                   True, 600.0)
+    return (interval[0] if interval else None), (min(periods) if periods else None)
 
 
 def nearest_per_window(points: list[tuple[float, float]], times: list[float],
