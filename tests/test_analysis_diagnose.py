@@ -120,6 +120,19 @@ def test_one_congested_step_is_no_fabric_contention():
     assert [f.mode for f in d.findings] == ["straggler_persistent"]
 
 
+def test_a_healthy_verdict_on_too_few_steps_says_so():
+    """A recorded run of 8 steps read "no structural problem found", as a long healthy run does:
+    so few steps rule nothing out, and the verdict and the notes now say it."""
+    truth = sim.run_scenario("healthy", nodes=2, ranks_per_node=2, steps=8, seed=0)
+    short = diagnose(recording.to_view(recording.from_ground_truth(truth, start_wall=START), "test"))
+    assert short.healthy
+    assert short.verdict == "no structural problem found in 8 steps, too few to rule any out: widen the range"
+    assert any(n.startswith("only 8 steps in range") for n in short.notes), short.notes
+    long = diagnose(recording.to_view(recorded("healthy"), "test"))
+    assert long.verdict == "no structural problem found"
+    assert not any(n.startswith("only ") for n in long.notes)
+
+
 def _without_skew_exchange(v):
     """The view as Prometheus gives it with the exact skew exchange off: no slack, no last arrivals."""
     for name in ("slack_seconds", "last_arrivals"):

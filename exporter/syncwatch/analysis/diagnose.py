@@ -32,6 +32,7 @@ from .view import BYTES_SERIES, CONGESTION_SERIES, JobView
 ESTIMATE_PENALTY = 0.1
 # the scores read from slack and last arrivals, estimated from mean waits without the exchange
 ESTIMATED_SCORES = ["coupling", "straggler_concentration", "collective_seconds"]
+FEW_STEPS = 100  # below this many steps in range a healthy verdict says it rests on too few
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,9 @@ class Diagnosis:
     def verdict(self) -> str:
         if self.findings:
             return f"{len(self.findings)} structural problem(s) found"
+        if self.steps < FEW_STEPS:
+            return (f"no structural problem found in {self.steps:.0f} steps, too few to rule any "
+                    "out: widen the range")
         if self.estimated:
             return ("no structural problem found in what could be measured: without the skew exchange, "
                     "transient jitter and a straggling node that moves between nodes are not ruled out")
@@ -516,6 +520,10 @@ def detect_restarts(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
 def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
     s = scores(v)
     notes = []
+    if s["steps"] < FEW_STEPS:
+        notes.append(f"only {s['steps']:.0f} steps in range: fewer than the {FEW_STEPS} the daemons' "
+                     "step-time CV spans, and a straggler, an oscillation or congestion episodes may "
+                     "not show in so few")
     exact = v.has_exact()
     if not exact:
         notes.append("no slack / last-arrival counters (exact skew exchange off): slack, coupling and last "
