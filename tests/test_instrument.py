@@ -1270,6 +1270,7 @@ def test_zero_code_times_only_the_training_threads_own_saves_as_checkpoint(rx):
         checkpoint)
     assert evaluation[2] >= 0.2 and data[2] < 0.1, (evaluation, data)
     assert checkpoint[3] == 0 and data[3] >= 0.4, data  # the other thread's save: data
+    assert recs[-1].totals.checkpoints == 2  # the nested save is its outer one's: not 3
 
 
 def test_register_handle_remove_restores_torch_distributed():

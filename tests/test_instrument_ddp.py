@@ -431,6 +431,8 @@ def test_zero_code_times_a_save_as_checkpoint(daemon, sock_path, tmp_path, saver
         assert data[r] < delay, data
     if saver == "torch":
         assert checkpoint[1] == 0 and sync[1] >= 0.8 * saves * delay > sync[0], (checkpoint, sync)
+    # one each, whatever DCP's writer saves inside (a torch.save per item: 3 and 7 counted)
+    assert m.value("syncwatch_checkpoints_total", train_job=job) == saves
 
 
 def test_zero_code_ends_the_steps_that_a_grad_scaler_skips(daemon, sock_path, tmp_path):

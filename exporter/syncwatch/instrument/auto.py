@@ -231,13 +231,16 @@ class _Steps:
 
     def save_begin(self):
         """The phase a save interrupts, after switching to ``checkpoint``; None where the save is
-        not timed: no loop under way (``cur`` None: before the first forward), or another
-        thread (an asynchronous checkpointer's). A save within a save (DCP writes with
-        ``torch.save``) interrupts ``checkpoint`` itself."""
+        not timed apart: no loop under way (``cur`` None: before the first forward), another
+        thread (an asynchronous checkpointer's), or a save within a save (DCP's writer calls
+        ``torch.save`` per item: each one ended and began the checkpoint again, and counted one,
+        3 for one ``dcp.save`` on one rank and 7 on the other)."""
         if (_state.monitor is not self.m or self.cur is None
                 or threading.get_ident() != self.thread):
             return None
         interrupted = self.cur
+        if interrupted is self.m.phase("checkpoint"):
+            return None
         self.switch("checkpoint")
         return interrupted
 
