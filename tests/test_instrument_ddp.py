@@ -119,6 +119,23 @@ def test_straggler_is_named_by_exact_slack_and_last_arrivals(daemon, sock_path, 
     assert below <= 0.1 * count  # the skew sits at the injected delay, not below it
 
 
+def test_the_gradient_wait_is_measured_where_ddp_ignores_the_first_layer(daemon, sock_path,
+                                                                         tmp_path):
+    """DDP told to ignore the first layer's parameters (another parallelism's: MoE experts). The
+    hook-free path hooked that layer: its gradient, the last computed, comes after DDP queued its
+    finalize, so both callbacks ran after the wait. Rank 0's 30 ms wait for the slow rank 1 read
+    0.01 ms, and counted as backward."""
+    job, steps, delay = "ignored", 20, 0.03
+    procs = launch(2, ["--instrument", "explicit", "--steps", str(steps), "--slow-rank", "1",
+                       "--delay", str(delay), "--ignore-first"], tmp_path, job,
+                   SYNCWATCH_SOCKET=sock_path, SYNCWATCH_JOB=job)
+    finish(procs, tmp_path, job)
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job)
+                     == {0: steps, 1: steps})
+    sync = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="sync")
+    assert sync[0] >= 0.8 * steps * delay > sync[1], sync
+
+
 def test_slow_steps_shorten_the_windows_after_the_first(daemon, sock_path, tmp_path):
     """Steps of over 0.1 s with K = 20 and a target of 0.5 s between exchanges: after the first
     window (20 steps) the windows are 0.5 s of steps (4 or fewer, all dividing the 12 left), so

@@ -53,6 +53,8 @@ def main():
     p.add_argument("--saver", choices=("torch", "dcp"), default="torch",
                    help="torch.save on rank 0 only (torch's DDP tutorial), or "
                         "torch.distributed.checkpoint.save on every rank")
+    p.add_argument("--ignore-first", action="store_true",
+                   help="DDP ignores the first layer's parameters (as for another parallelism's)")
     a = p.parse_args()
 
     torch.set_num_threads(1)
@@ -73,6 +75,8 @@ def main():
         ddp = model
     else:
         kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
+        if a.ignore_first:
+            DDP._set_params_and_buffers_to_ignore_for_model(model, ["0.weight", "0.bias"])
         ddp = DDP(model, **kw)
     net = torch.compile(ddp, backend=a.compile) if a.compile else ddp
     second = None

@@ -81,8 +81,9 @@ class Handle:
 def watch_gradients(model) -> Handle:
     """Measure the gradient wait of a ``DistributedDataParallel`` model without a comm hook.
 
-    Hooks the first parameter that requires grad, or the first ``WATCHED_PARAMETERS`` where
-    DDP allows unused parameters (``find_unused_parameters`` or ``static_graph``); the first of
+    Hooks the first of DDP's parameters (not those it ignores) that requires grad, or the
+    first ``WATCHED_PARAMETERS`` where DDP allows unused parameters (``find_unused_parameters``
+    or ``static_graph``); the first of
     them to get its gradient in a backward queues the two callbacks (see the module docstring).
     Without unused parameters every parameter gets a gradient in every backward (DDP raises
     otherwise), and each hook costs a Python call from the autograd engine (~1-3 us), so one
@@ -152,7 +153,11 @@ def watch_gradients(model) -> Handle:
         except Exception:
             m._error()
 
-    params = [p for p in model.parameters() if p.requires_grad][:watched]
+    # DDP's own parameters: not those it was told to ignore (another parallelism's, such as MoE
+    # experts; delay_all_reduce_named_params). An ignored first layer's gradient comes after DDP
+    # queued its finalize, so both callbacks ran after the wait and measured none
+    managed = getattr(model, "_module_parameters", None) or list(model.parameters())
+    params = [p for p in managed if p.requires_grad][:watched]
     for p in params:
         handle.add(p.register_post_accumulate_grad_hook(gradient_accumulated).remove)
     model._syncwatch_watched = True
