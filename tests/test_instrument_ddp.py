@@ -452,6 +452,25 @@ def test_zero_code_times_a_save_as_checkpoint(daemon, sock_path, tmp_path, saver
     assert m.value("syncwatch_checkpoints_total", train_job=job) == saves
 
 
+@pytest.mark.parametrize("order", ["init-after-model", "init-first"])
+def test_a_script_that_instruments_itself_under_syncwatch_run_is_counted_once(
+        daemon, sock_path, tmp_path, order):
+    """The explicit API under ``syncwatch-run`` (a cluster that wraps every job): zero-code mode
+    stands down once the script calls ``init()``, before or after building its model. Both
+    reported side by side: 20 steps and 640 samples for 10 steps of 32, and the script's step
+    numbers, going back to its count each time, read as a restart every step (10 restarts)."""
+    steps, job = 10, f"zc-explicit-{order}"
+    extra = ["--init-first"] if order == "init-first" else []
+    torchrun(tmp_path, sock_path, ["--instrument", "explicit", "--steps", str(steps), *extra], job)
+    every = {0: steps, 1: steps}
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == every)
+    assert m.by_rank("syncwatch_steps_total", train_job=job) == every
+    assert m.by_rank("syncwatch_samples_total", train_job=job) == {0: 32 * steps, 1: 32 * steps}
+    assert m.value("syncwatch_job_restarts_total", train_job=job) == 0
+    assert m.by_rank("syncwatch_last_step", train_job=job) == every  # the script's own numbers
+    assert m.value("syncwatch_client_internal_errors_total") == 0
+
+
 def test_zero_code_ends_the_steps_that_a_grad_scaler_skips(daemon, sock_path, tmp_path):
     """An fp16-style loop through ``GradScaler``: at the steps whose gradients are infinite its
     ``step()`` skips the optimizer's, and those iterations are steps all the same (they were

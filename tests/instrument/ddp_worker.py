@@ -53,6 +53,8 @@ def main():
     p.add_argument("--saver", choices=("torch", "dcp"), default="torch",
                    help="torch.save on rank 0 only (torch's DDP tutorial), or "
                         "torch.distributed.checkpoint.save on every rank")
+    p.add_argument("--init-first", action="store_true",
+                   help="with --instrument explicit: init() before building the model, not after")
     p.add_argument("--ignore-first", action="store_true",
                    help="DDP ignores the first layer's parameters (as for another parallelism's)")
     a = p.parse_args()
@@ -60,6 +62,9 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if a.instrument == "explicit" and a.init_first:
+        import syncwatch.instrument
+        syncwatch.instrument.init()
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
     model = layers if a.call == "positional" else _Keyword(layers)

@@ -82,7 +82,10 @@ def init(*, job: str | None = None, attempt: int | None = None, node: str | None
     always K). ``device``: "cpu" (monotonic clock) or "cuda" (CUDA events); default: cuda
     when the default group's backend is NCCL. Never raises.
     """
-    if _state.monitor is not None:
+    if _state.monitor is not None:  # zero-code mode started it: the script takes over
+        auto = sys.modules.get("syncwatch.instrument.auto")
+        if auto is not None:
+            auto.stand_down()
         return _state.monitor
     try:
         return _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_seconds,

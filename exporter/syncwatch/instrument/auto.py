@@ -175,6 +175,7 @@ class _Steps:
         self.steps = 0  # steps ended; the first one starts at the first forward, not here:
         # between the model's wrapping and the loop come its setup and often a checkpoint load
         self.thread = threading.get_ident()  # the training thread: the one that wraps the model
+        self.hooks: list = []  # the optimizer step hooks' handles
 
     def switch(self, name: str | None) -> None:
         if self.cur is not None:
@@ -228,6 +229,14 @@ class _Steps:
             self.optimizer = weakref.ref(optimizer)
         if self.optimizer() is optimizer:
             self.end_step()
+
+    def stop(self) -> None:
+        """Stop driving the phases: the current one ends, the optimizer hooks go, and every
+        other hook finds ``m`` (None) not the current monitor and does nothing."""
+        self.switch(None)
+        for handle in self.hooks:
+            handle.remove()
+        self.m = None
 
     def save_begin(self):
         """The phase a save interrupts, after switching to ``checkpoint``; None where the save is
@@ -350,28 +359,50 @@ def _patch_dcp_module(module) -> None:
 
 
 _steps: _Steps | None = None
+_stood_down = False  # the script instruments itself: zero-code mode does nothing more
 ATTACHED = "_syncwatch_steps"  # a model's attribute: the _Steps its forward drives
 _fsdp_undo: list = []  # takes the phases back from the FSDP model that drives them
 
 
 def _start():
     """The process's ``_Steps``, started with the monitor at the first model; None where
-    ``init()`` stays a no-op."""
+    ``init()`` stays a no-op, or where the script instruments itself (``stand_down``)."""
     global _steps
     import syncwatch.instrument as sw
     import torch
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
 
-    monitor = sw.init()
-    if monitor is None:
+    if _stood_down:
+        return None
+    if _state.monitor is None:
+        monitor = sw.init()
+        if monitor is None:
+            return None
+    elif _steps is not None and _steps.m is _state.monitor:
+        monitor = _state.monitor
+    else:  # the script called init() before building its model: it drives the monitor
+        stand_down()
         return None
     if _steps is None or _steps.m is not monitor:
         _steps = _Steps(monitor, torch.is_grad_enabled)
         sw.register(collectives=True)
-        register_optimizer_step_pre_hook(_steps.optimizer_pre)
-        register_optimizer_step_post_hook(_steps.optimizer_post)
+        _steps.hooks = [register_optimizer_step_pre_hook(_steps.optimizer_pre),
+                        register_optimizer_step_post_hook(_steps.optimizer_post)]
     return _steps
+
+
+def stand_down() -> None:
+    """The script instruments itself (``syncwatch.instrument.init()`` of its own, before or
+    after building its model): zero-code mode stops for the rest of the process, so that each
+    step is the script's alone. Beside the script's, its optimizer hooks ended a second step at
+    every ``step()``, the samples counted twice, and the script's own step numbers, going back
+    to its count each time, read as a restart every step. What it attached stays: the gradient
+    wait and the collective wrappers, which the script's ``register()`` would attach the same."""
+    global _stood_down
+    _stood_down = True
+    if _steps is not None:
+        _steps.stop()
 
 
 def _attach(ddp) -> None:
