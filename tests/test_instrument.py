@@ -1234,6 +1234,24 @@ def test_zero_code_counts_the_steps_and_samples_of_a_second_run_in_the_same_proc
     assert [r.samples for r in recs] == [5.0] * 6
 
 
+def test_zero_code_counts_a_closure_s_batch_once_however_often_it_evaluates_it(rx):
+    """LBFGS evaluates its closure (forward and backward of the same batch) up to ``max_iter``
+    times in one ``step()``: each evaluation counted the batch again, 5 x 5 samples a step here
+    (throughput read 5 times too high). The batch counts once per step."""
+    run_zero_code(rx, "model = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+                      "opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=5)\n"
+                      "for _ in range(3):\n"
+                      "    x = torch.randn(5, 8)\n"
+                      "    def closure():\n"
+                      "        opt.zero_grad()\n"
+                      "        loss = model(x).pow(2).sum()\n"
+                      "        loss.backward()\n"
+                      "        return loss\n"
+                      "    opt.step(closure)\n")
+    recs = steps(rx, 3)
+    assert [r.samples for r in recs] == [5.0] * 3
+
+
 def test_zero_code_times_only_the_training_threads_own_saves_as_checkpoint(rx):
     """What a save is under ``syncwatch-run``: on the training thread once the loop has started,
     ``checkpoint``, and then the phase it interrupted goes on (``data`` after a step, ``eval``

@@ -171,6 +171,9 @@ class _Steps:
         self.optimizer = nobody  # the optimizer whose steps end the steps: the first to step
         self.model = nobody  # the model whose forwards count the samples: the first to run
         self.in_eval = False  # the forward under way runs with autograd off
+        # within the step() of the optimizer that ends the steps, and whether a forward there
+        # counted its batch: a closure (LBFGS) evaluates the same batch several times
+        self.in_step = self.step_counted = False
         self.samples = 0
         self.steps = 0  # steps ended; the first one starts at the first forward, not here:
         # between the model's wrapping and the loop come its setup and often a checkpoint load
@@ -197,8 +200,11 @@ class _Steps:
                 return
             if self.model() is None:
                 self.model = weakref.ref(model)
-            if self.model() is model:  # a second model (a GAN's other half) sees the
-                self.samples += batch_size(args, kwargs)  # same samples again
+            if self.model() is model and not (self.in_step and self.step_counted):
+                # a second model (a GAN's other half) sees the same samples again, as does a
+                # closure's every evaluation after its first (LBFGS: max_iter of them a step)
+                self.samples += batch_size(args, kwargs)
+                self.step_counted = self.in_step
             self.switch("forward")
         except Exception:
             self.m._error()
@@ -213,11 +219,13 @@ class _Steps:
         if self.optimizer() is None:
             self.optimizer = weakref.ref(optimizer)
         if self.optimizer() is optimizer:
+            self.in_step, self.step_counted = True, False
             self.switch("optimizer")
 
     def optimizer_post(self, optimizer, args, kwargs):
         if _state.monitor is not self.m or self.optimizer() is not optimizer:
             return
+        self.in_step = False
         self.end_step()
 
     def scaler_skipped(self, optimizer):
