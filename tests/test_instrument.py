@@ -308,6 +308,26 @@ class FakeExchange:
         pass
 
 
+def test_a_save_after_the_last_step_is_not_counted_without_its_time(rx):
+    """A final save after the last step: no step holds its time, and the last step's record
+    that shutdown sends again (with the exchange's last results) counted it all the same, which
+    lowered ``checkpoint_seconds / checkpoints``, a save's cost for the analysis."""
+    ex = FakeExchange()
+    m = make_monitor(rx, exchange=ex, exchange_every=2)
+    for _ in range(2):
+        with m.phase("checkpoint"):
+            time.sleep(0.01)
+        m.step(1)
+    with m.phase("checkpoint"):
+        time.sleep(0.01)
+    m.flush()
+    ex.results.append(WindowResult(0.0, 2, (0.01, 0.01)))  # the last window's: sent again
+    m.shutdown()
+    recs = steps(rx, 3)
+    assert [r.step for r in recs] == [1, 2, 2] and recs[-1].exact
+    assert [r.totals.checkpoints for r in recs] == [1, 2, 2]
+
+
 def test_exchange_windows_and_results_feed_slack_and_rank0_skew(rx):
     ex = FakeExchange()
     m = make_monitor(rx, exchange=ex, exchange_every=3)

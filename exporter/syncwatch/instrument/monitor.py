@@ -218,8 +218,6 @@ class Monitor:
                             end = pop()
                             n = len(self._sync)
                             self._spans.append((code, e[1], end[1], n, n))
-                            if code == CHECKPOINT:
-                                self.totals.checkpoints += 1
                             if not stack:
                                 self.phase_since = host if lazy else end[1]
                             continue
@@ -310,8 +308,6 @@ class Monitor:
             _, start, lo, _ = stack[k]
             del stack[k:]
         self._spans.append((idx, start, end, lo, len(self._sync)))
-        if idx == CHECKPOINT:
-            self.totals.checkpoints += 1
         if stack:
             self.phase_idx, self.phase_since = stack[-1][0], stack[-1][3]
         else:
@@ -337,6 +333,9 @@ class Monitor:
             self._has_tokens = True
         rec = (number, wall, self._step_start, end, self._spans, self._sync, self._grads,
                samples, tokens, self.collective_sequence, self.encoder)
+        # counted with the step whose time holds them: one after the last step (a final save)
+        # was counted, its time never reported
+        self.totals.checkpoints += sum(1 for span in self._spans if span[0] == CHECKPOINT)
         self._spans, self._sync, self._grads = [], [], []
         self._step_start = end
         self.last_step, self.last_step_wall = number, wall
