@@ -393,6 +393,8 @@ def _start():
         stand_down()
         return None
     if _steps is None or _steps.m is not monitor:
+        if _steps is not None:  # the monitor it drove was shut down: its optimizer hooks go
+            _steps.stop()
         _steps = _Steps(monitor, torch.is_grad_enabled)
         sw.register(collectives=True)
         _steps.hooks = [register_optimizer_step_pre_hook(_steps.optimizer_pre),
