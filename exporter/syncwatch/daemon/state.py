@@ -248,8 +248,8 @@ class State:
 
     def apply(self, rec: Record) -> None:
         """Apply one decoded record. Raises ``ProtocolError``: rank_limit, job_limit and
-        identity_conflict (``COUNTED_HERE``), which it counts; bad_value (a step count that went down), which the caller counts, as it counts
-        the decoder's."""
+        identity_conflict (``COUNTED_HERE``), which it counts; bad_value (a step count that
+        went down), which the caller counts, as it counts the decoder's."""
         ident = rec.identity
         now = self._clock()
         with self._lock:

@@ -144,12 +144,18 @@ def _patch_fully_shard_module(module) -> None:
             log.warning("syncwatch: could not instrument this fully_shard model", exc_info=True)
         return out
 
-    fully_shard._syncwatch_original = orig
-    module.fully_shard = fully_shard
-    for name in ("torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp"):
-        exporter = sys.modules.get(name)
-        if getattr(exporter, "fully_shard", None) is orig:
-            exporter.fully_shard = fully_shard
+    _replace(module, "fully_shard", orig, fully_shard,
+             ("torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp"))
+
+
+def _replace(module, name: str, orig, wrapper, exporters: tuple[str, ...]) -> None:
+    """Put ``wrapper`` (marked with its ``orig``) where ``module.name`` was, and in each package
+    of ``exporters`` that bound ``orig`` already (imported before ``install()``)."""
+    wrapper._syncwatch_original = orig
+    setattr(module, name, wrapper)
+    for exporter in filter(None, map(sys.modules.get, exporters)):
+        if getattr(exporter, name, None) is orig:
+            setattr(exporter, name, wrapper)
 
 
 def nobody() -> None:
@@ -350,11 +356,7 @@ def _patch_saver(module, name: str, exporters: tuple[str, ...]) -> None:
             except Exception:
                 steps.m._error()
 
-    save._syncwatch_original = orig
-    setattr(module, name, save)
-    for exporter in filter(None, map(sys.modules.get, exporters)):
-        if getattr(exporter, name, None) is orig:
-            setattr(exporter, name, save)
+    _replace(module, name, orig, save, exporters)
 
 
 def _patch_torch_save_module(module) -> None:
