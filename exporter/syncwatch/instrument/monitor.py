@@ -114,6 +114,7 @@ class Monitor:
         self._lock = threading.Lock()
         self._stack: list = []   # open phases: (index, start mark, sync index, host ns)
         self._spans: list = []   # this step's phases: (index, start, end, sync index lo, hi)
+        self._shared: dict = {}  # id of a mark ending one span and starting the next: its uses
         self._sync: list = []    # this step's collective waits: (start mark, end mark)
         self._colls: list = []   # start marks of blocking collectives not yet ended
         self._grads: list = []   # the step's gradient syncs (DDP): (ready, done), also in _sync
@@ -214,11 +215,15 @@ class Monitor:
                     if code < EXIT:
                         if not self._begun:
                             self._begin(e[1])
+                        if stack:
+                            self._interrupt(e[1])
                         if entries and entries[0][0] == code + EXIT and self._done is None:
                             end = pop()
                             n = len(self._sync)
                             self._spans.append((code, e[1], end[1], n, n))
-                            if not stack:
+                            if stack:
+                                self._resume(end[1])
+                            else:
                                 self.phase_since = host if lazy else end[1]
                             continue
                         h = host if lazy else e[1]
@@ -293,23 +298,44 @@ class Monitor:
             self._grads.append((ready, done))
             self._sync.append((ready, done))
 
+    def _interrupt(self, mark) -> None:
+        """A phase begins inside another: the enclosing one's time so far is a span of its own,
+        and it goes on when the inner one ends (``_resume``). Phases are exclusive, as ``sync``
+        is: a save inside ``forward`` counted in both, and the phases summed to more than the
+        step."""
+        code, start, lo, host = self._stack[-1]
+        self._spans.append((code, start, mark, lo, len(self._sync)))
+        self._share(mark)
+        self._stack[-1] = (code, None, None, host)
+
+    def _resume(self, mark) -> None:
+        code, _, _, host = self._stack[-1]
+        self._stack[-1] = (code, mark, len(self._sync), host)
+        self._share(mark)
+        self.phase_idx, self.phase_since = code, host
+
+    def _share(self, mark) -> None:
+        """``mark`` bounds two spans (it ends one and starts the next), maybe of two steps' records:
+        the clock gets it back once both have been released."""
+        if self.clock.lazy:
+            self._shared[id(mark)] = self._shared.get(id(mark), 0) + 1
+
     def _end_phase(self, idx: int, end, host) -> None:
         if self._done is not None:
             self._close_ddp()
         stack = self._stack
-        if stack and stack[-1][0] == idx:  # the innermost phase ends: the usual case
-            _, start, lo, _ = stack.pop()
+        for k in range(len(stack) - 1, -1, -1):
+            if stack[k][0] == idx:
+                break
         else:
-            for k in range(len(stack) - 1, -1, -1):
-                if stack[k][0] == idx:
-                    break
-            else:
-                return  # its start was lost (counted where it failed)
-            _, start, lo, _ = stack[k]
-            del stack[k:]
-        self._spans.append((idx, start, end, lo, len(self._sync)))
+            return  # its start was lost (counted where it failed)
+        # the innermost phase's time goes on to this end: phases inside the ending one that
+        # are still open (the script left them unclosed) end with it
+        code, start, lo, _ = stack[-1]
+        self._spans.append((code, start, end, lo, len(self._sync)))
+        del stack[k:]
         if stack:
-            self.phase_idx, self.phase_since = stack[-1][0], stack[-1][3]
+            self._resume(end)
         else:
             self.phase_idx, self.phase_since = OTHER, host
 
@@ -386,7 +412,7 @@ class Monitor:
             return True
 
     def _release(self, rec) -> None:
-        release = self.clock.release
+        release = self._release_shared if self._shared else self.clock.release
         start = rec[2]  # the previous step's end mark, no longer needed by anyone; the first
         if start is self._first_start:  # step's is its first phase's start, which that phase's
             self._first_start = None  # span releases, in this step or, ending later, a later one
@@ -398,6 +424,15 @@ class Monitor:
         for a, b in rec[5]:
             release(a)
             release(b)
+
+    def _release_shared(self, mark) -> None:
+        uses = self._shared.get(id(mark))
+        if uses is None:
+            self.clock.release(mark)
+        elif uses == 1:
+            del self._shared[id(mark)]
+        else:
+            self._shared[id(mark)] = uses - 1
 
     @staticmethod
     def _durations_host(s0, s1, spans, sync, grads):
