@@ -434,13 +434,20 @@ def test_silent_rank_removed_after_ttl(sock_path):
 
 
 def test_job_removed_after_end_plus_grace(sock_path):
+    """An ended rank's series stay ``--job-grace``, with its end's time and reason (a rank that
+    completed is not lost: SyncwatchRankLost leaves it out)."""
     with DaemonThread(config(sock_path, job_grace=0.5, rank_ttl=30)) as d:
         c = Client(d.socket_path)
         sims = [RankSim(identity(r, world=2)) for r in range(2)]
-        c.send(*(s.step(1, 0.1) for s in sims), *(s.enc.end(WALL0 + 2, 1) for s in sims))
+        c.send(*(s.step(1, 0.1) for s in sims), sims[0].enc.end(WALL0 + 2, 1),
+               sims[1].enc.end(WALL0 + 3, 1, "failed"))
         wait_records(d.url, 4)
         m = scrape(d.url)
         assert value(m, "syncwatch_steps_total", train_job="job-a", rank=1) == 1  # kept for the grace
+        ends = sorted((dict(labels)["rank"], dict(labels)["reason"], v)
+                      for (name, labels), v in m.items()
+                      if name == "syncwatch_rank_end_timestamp_seconds")
+        assert ends == [("0", "completed", WALL0 + 2), ("1", "failed", WALL0 + 3)]
         assert value(m, "syncwatch_job_world_size", train_job="job-a") == 2
         wait_for(lambda: healthz(d.url)["jobs"] == 0, 10, "job removal")
         m = scrape(d.url)

@@ -3,7 +3,8 @@
 Names, types and labels follow the metric contract in DESIGN.md. Per rank (labels train_job,
 rank): rank_info, steps, step seconds, 8 phases, slack and last arrivals (exact mode only),
 samples, tokens (when reported), step CV, autocorrelation, last step, its timestamp, collective
-sequence and the heartbeat phase — at most 22 series, under the budget of 25.
+sequence, the heartbeat phase and, once it ended, its end — at most 23 series, under the budget
+of 25.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def families(snap: Snapshot) -> list:
     elapsed = GaugeMetricFamily("syncwatch_rank_phase_elapsed_seconds",
                                 "Time the rank had spent in its current phase at its last heartbeat.",
                                 labels=RL + ["phase"])
+    end = GaugeMetricFamily("syncwatch_rank_end_timestamp_seconds",
+                            "Wall time of the rank's end record, labelled with its reason (until "
+                            "the rank's series go, --job-grace later).", labels=RL + ["reason"])
     NL = ["train_job", "node"]
     step_h = HistogramMetricFamily("syncwatch_step_duration_seconds",
                                    "Step durations of this node's ranks.", labels=NL)
@@ -116,6 +120,8 @@ def families(snap: Snapshot) -> list:
             seq.add_metric(rl, v.seq)
             if v.hb_phase is not None:
                 elapsed.add_metric(rl + [v.hb_phase], v.hb_elapsed)
+            if v.end is not None:
+                end.add_metric(rl + [v.end[1]], v.end[0])
         for node, (sh, wh) in sorted(job.hists.items()):
             step_h.add_metric([j, node], sh.cumulative(), sh.sum)
             wait_h.add_metric([j, node], wh.cumulative(), wh.sum)
@@ -149,7 +155,7 @@ def families(snap: Snapshot) -> list:
     build.add_metric([__version__], 1)
 
     fams = [info, steps, step_s, phase_s, slack, last_arr, samples, tokens, cv, ac, last_step,
-            last_ts, seq, elapsed, step_h, wait_h, skew_h, world, attempt, restarts, rerun, ck_s, ck,
+            last_ts, seq, elapsed, end, step_h, wait_h, skew_h, world, attempt, restarts, rerun, ck_s, ck,
             records, rejected, dropped, errors, active, build]
     return [f for f in fams if f.samples]  # a family without series is only noise
 

@@ -81,7 +81,7 @@ class Histogram:
 class RankState:
     __slots__ = ("ident", "totals", "exact", "has_tokens", "step_seen", "window", "version",
                  "stats", "last_step", "last_step_wall", "seq", "hb_phase", "hb_elapsed",
-                 "dropped", "errors", "seen", "ended", "superseded")
+                 "dropped", "errors", "seen", "end", "superseded")
 
     def __init__(self, ident: Identity, window: int, now: float):
         self.ident = ident
@@ -103,7 +103,8 @@ class RankState:
         self.dropped = -1                       # highest dropped-records count this process
         self.errors = -1                        # and internal-errors count reported; -1: none yet
         self.seen = now                         # monotonic time of the last record
-        self.ended = False
+        # (wall time, reason) of the rank's end record: the rank ended, it was not lost
+        self.end: tuple[float, str] | None = None
         # (pid, attempt) of the process of the same attempt this one took over from: a restart
         # in place, unless that one speaks again (identity_conflict)
         self.superseded: tuple[int, int] | None = None
@@ -149,6 +150,7 @@ class RankView:
     seq: int
     hb_phase: str | None
     hb_elapsed: float
+    end: tuple[float, str] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +301,7 @@ class State:
                                 f"running, after pid {r.ident.pid} on {r.ident.node} took over as "
                                 f"the same rank: two runs with one job name? The later one is kept")
         elif ident.attempt < r.ident.attempt and (
-                ident.pid == r.ident.pid or not (r.ended or now - r.seen > SUPERSEDE_SECONDS)):
+                ident.pid == r.ident.pid or not (r.end or now - r.seen > SUPERSEDE_SECONDS)):
             return None, job
         elif ident.pid == r.ident.pid and ident.attempt == r.ident.attempt:
             _move_node(job, r.ident.node, ident.node)
@@ -406,12 +408,12 @@ class State:
             r.last_step, r.last_step_wall = rec.last_step, rec.last_step_wall_time
         if rec.collective_sequence > r.seq:
             r.seq = rec.collective_sequence
-        r.ended = False
+        r.end = None
         self._client_counts(r, rec.dropped_records, rec.internal_errors, rec.reported_dropped,
                             rec.reported_errors)
 
     def _end(self, r: RankState, rec: EndRecord) -> None:
-        r.ended = True
+        r.end = (rec.wall_time, rec.reason)
         if rec.last_step > r.last_step:
             r.last_step = rec.last_step
 
@@ -440,7 +442,7 @@ class State:
             for name in list(self.jobs):
                 job = self.jobs[name]
                 dead = [k for k, r in job.ranks.items()
-                        if now - r.seen > (grace if r.ended else ttl)]
+                        if now - r.seen > (grace if r.end else ttl)]
                 for k in dead:
                     _move_node(job, job.ranks.pop(k).ident.node, None)
                 self.n_ranks -= len(dead)
@@ -466,7 +468,7 @@ class State:
                         todo.append((r, r.version, tuple(r.window)))
                     ranks.append(r)
                 rows = [(r, r.ident, r.totals, r.exact, r.has_tokens, r.last_step, r.last_step_wall,
-                         r.seq, r.hb_phase, r.hb_elapsed) for r in ranks]
+                         r.seq, r.hb_phase, r.hb_elapsed, r.end) for r in ranks]
                 hists = {node: (a.copy(), b.copy()) for node, (a, b) in job.hists.items()}
                 raw.append((name, rows, hists, 0 in job.ranks, job.world_size, job.attempt,
                             job.skew, job.restarts, job.rerun_steps, job.checkpoint_seconds,
@@ -479,8 +481,8 @@ class State:
         jobs = []
         for name, rows, hists, has0, world, attempt, skew, restarts, rerun, ck_s, ck in raw:
             views = [RankView(ident, totals, exact, tok, r.stats[1], r.stats[2], last, wall, seq,
-                              phase, elapsed)
-                     for r, ident, totals, exact, tok, last, wall, seq, phase, elapsed in rows]
+                              phase, elapsed, end)
+                     for r, ident, totals, exact, tok, last, wall, seq, phase, elapsed, end in rows]
             views.sort(key=lambda v: v.ident.rank)
             jobs.append(JobView(name, views, hists, has0, world, attempt, skew, restarts, rerun,
                                 ck_s, ck))

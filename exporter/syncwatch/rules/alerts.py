@@ -162,7 +162,12 @@ def progress(c: Ctx) -> list[dict]:
               f"(\n  max by (train_job, rank, node) (\n"
               f"    max_over_time(syncwatch_rank_info[{c.d(w.lost_lookback)}])\n"
               f"    unless on (instance)\n    (up{{job=\"{c.thresholds.scrape_job}\"}} == 0)\n  )\n"
-              f"  unless on (train_job, rank)\n  syncwatch_rank_info\n)\n"
+              f"  unless on (train_job, rank)\n  syncwatch_rank_info\n"
+              # a rank that said it completed ended, it was not lost: one that exits while
+              # rank 0 still saves or evaluates for minutes paged once its series went
+              f"  unless on (train_job, rank)\n"
+              f"  max_over_time(syncwatch_rank_end_timestamp_seconds{{reason=\"completed\"}}"
+              f"[{c.d(w.lost_lookback)}])\n)\n"
               f"and on (train_job)\ngroup by (train_job) (syncwatch_rank_info)\n"
               # a job whose every rank of its current world reports lost none: the ranks gone
               # are an earlier, larger world's (an elastic job that shrank), which had paged
