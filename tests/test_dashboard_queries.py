@@ -32,6 +32,7 @@ STRAGGLER, RESTARTS = "dash-straggler", "dash-restarts"
 #: The straggler scenario again, its ranks without the skew exchange (K = 0).
 ESTIMATED = "dash-k0-straggler"
 RUN_SECONDS = 45          # simulated run before querying (rule windows are scaled by 0.05)
+SETTLE_SECONDS = 60       # then at most this long for the last panels' first data (a loaded machine)
 RANGE_OFFSET = 6          # dashboard range starts this long after the jobs started
 
 #: Panels meant for the restarts scenario; every other panel is checked against the straggler job.
@@ -80,9 +81,23 @@ def run():
     box.start()
     try:
         box.wait_for_data(RUN_SECONDS)
-        yield Run(box)
+        yield settled(box)
     finally:
         box.stop()
+
+
+def settled(box: Sandbox) -> Run:
+    """The run once every panel has data, or ``SETTLE_SECONDS`` later. On a loaded machine an
+    alert's ``for`` or a rule's first window ended after ``RUN_SECONDS``, and a panel had no data
+    yet: the tests asserted the machine's speed, not the panel."""
+    deadline = time.time() + SETTLE_SECONDS
+    while True:
+        run = Run(box)
+        if time.time() > deadline or (
+                all(run.run(q) for q in ALL_QUERIES)
+                and all(run.run(q, {"train_job": ESTIMATED}) for q in ESTIMATED_QUERIES)):
+            return run
+        box.wait_for_data(time.time() - box.started_at + 2)
 
 
 def _mean(series: dict) -> float:
