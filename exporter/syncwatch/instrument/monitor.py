@@ -314,6 +314,17 @@ class Monitor:
         self._share(mark)
         self.phase_idx, self.phase_since = code, host
 
+    def _split(self, end) -> None:
+        """A step ends inside a phase: the step holds the phase's time so far, the next step the
+        rest. Kept whole, the phase went to the step it ended in, and with it the collective
+        waits before the step's end that it never subtracted (their indices were the finished
+        step's), counted twice: as ``sync`` and as the phase."""
+        code, start, lo, host = self._stack[-1]
+        self._spans.append((code, start, end, lo, len(self._sync)))
+        self._share(end)  # the step's end is also the next step's start: three releases
+        self._share(end)
+        self._stack[-1] = (code, end, 0, host)
+
     def _share(self, mark) -> None:
         """``mark`` bounds two spans (it ends one and starts the next), maybe of two steps' records:
         the clock gets it back once both have been released."""
@@ -346,6 +357,8 @@ class Monitor:
         # no gradient sync spans a step's end: one begun and never ended raised in DDP's
         # finalize (the script caught it), and would read "sync" in every heartbeat from now on
         self._ddp_out = self._ddp_in
+        if self._stack:
+            self._split(end)
         number = self._step_number(number)
         if number <= self.last_step and self.last_step_wall:  # after a step: a job counting from 0
             if self._new_attempts < MAX_NEW_ATTEMPTS:
