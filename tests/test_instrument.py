@@ -1273,6 +1273,28 @@ def test_torchruns_placeholder_run_id_names_no_job():
     assert ident_mod.job_from_env({"TORCHELASTIC_RUN_ID": "nonesuch"}) == "nonesuch"
 
 
+@pytest.mark.parametrize("ending, reason", [
+    ("sys.exit(0)", "completed"), ("raise ValueError('diverged')", "failed"),
+    ("sys.exit('loss is NaN')", "failed"),
+    ("raise KeyboardInterrupt", "interrupted"),
+    ("threading.Thread(target=sys.exit, args=(3,)).start()", "completed")])
+def test_the_end_record_says_how_the_process_ended(rx, ending, reason):
+    """An uncaught exception ends the rank ``failed``, as does ``sys.exit`` with a failure
+    status: atexit cannot tell that from a clean end, and SyncwatchRankLost leaves out ranks
+    that completed. A thread's ``sys.exit`` ends the thread, not the process."""
+    code = ("import sys, threading, torch, torch.distributed as dist\n"
+            "import syncwatch.instrument as sw\n"
+            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "sw.init()\n"
+            "sw.step(1)\n"
+            f"{ending}\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=subprocess_env(SYNCWATCH_SOCKET=rx.path, SYNCWATCH_JOB="ending"))
+    assert wait_for(lambda: rx.of(EndRecord)), out.stderr[-2000:]
+    (end,) = rx.of(EndRecord)
+    assert (end.reason, end.last_step) == (reason, 1), out.stderr[-2000:]
+
+
 def test_api_is_a_noop_without_torch_distributed():
     code = ("import sys, syncwatch.instrument as sw\n"
             "assert 'torch' not in sys.modules and 'prometheus_client' not in sys.modules\n"

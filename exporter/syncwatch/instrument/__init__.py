@@ -25,6 +25,7 @@ import atexit
 import logging
 import os
 import sys
+import threading
 
 from ..skew import EXCHANGE_SECONDS
 from . import _state
@@ -45,7 +46,7 @@ phase = _state.phases.__getitem__
 checkpoint, eval (any other name: ``other``). A dict lookup in C (see ``_state.Phases``).
 ``checkpoint`` and ``eval`` are planned pauses: left out of the step-time variance, and a rank in
 one for less than 30 minutes does not make its job read stalled."""
-_failed = False
+_end_reason: str | None = None  # set by the process' way out; None: completed
 
 
 def current() -> Monitor | None:
@@ -140,7 +141,7 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
     _state.set_monitor(monitor)
     _guard_destroy(dist)
     atexit.register(_at_exit)
-    _hook_excepthook()
+    _hook_exits()
     return monitor
 
 
@@ -174,18 +175,32 @@ def _guard_destroy(dist) -> None:
     dist.destroy_process_group = destroy_process_group
 
 
-def _hook_excepthook() -> None:
-    previous = sys.excepthook
+def _hook_exits() -> None:
+    """Learn how the process ends, for its end record: an uncaught exception ``failed`` (a
+    KeyboardInterrupt ``interrupted``), and ``sys.exit`` with a failure status on the main
+    thread ``failed``, which atexit cannot tell from a clean end (a script giving up on a NaN
+    loss with ``sys.exit(1)`` ended ``completed``, and SyncwatchRankLost leaves those out)."""
+    if hasattr(sys.excepthook, "_syncwatch_original"):
+        return
+    excepthook, sys_exit = sys.excepthook, sys.exit
 
-    def excepthook(*exc):
-        global _failed
-        _failed = True
-        previous(*exc)
-    sys.excepthook = excepthook
+    def syncwatch_excepthook(kind, value, tb):
+        global _end_reason
+        _end_reason = "interrupted" if issubclass(kind, KeyboardInterrupt) else "failed"
+        excepthook(kind, value, tb)
+
+    def syncwatch_exit(status=None):
+        global _end_reason
+        if status not in (None, 0) and threading.current_thread() is threading.main_thread():
+            _end_reason = "failed"
+        sys_exit(status)
+    syncwatch_excepthook._syncwatch_original = excepthook
+    syncwatch_exit._syncwatch_original = sys_exit
+    sys.excepthook, sys.exit = syncwatch_excepthook, syncwatch_exit
 
 
 def _at_exit() -> None:
-    shutdown("failed" if _failed else "completed")
+    shutdown(_end_reason or "completed")
 
 
 def register(model=None, *, hook=None, state=None, collectives: bool = True) -> Handle:
