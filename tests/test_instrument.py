@@ -906,11 +906,12 @@ class MovedClock(HostClock):
 @pytest.mark.parametrize("device", ["host", "cuda"])
 def test_random_phase_sequences_count_every_moment_once(rx, device):
     """Phases entered and left in any order (nested, left open, ended from outside them, across
-    a step's end), blocking collectives inside and outside them, the records thread replaying at
-    any point: each moment in a phase is that phase's time once, each collective's wait is
-    ``sync`` once, and a step's phases fit in the step. Against a reference that follows the
-    rules by hand (the time before the first phase is no step's unless a step ends first). It
-    found a step ending inside a phase that had a collective in it: the wait counted twice."""
+    a step's end), blocking collectives and DDP gradient syncs inside and outside them, the
+    records thread replaying at any point: each moment in a phase is that phase's time once,
+    each wait is ``sync`` once, a step's gradient wait is its syncs' last buckets, and a step's
+    phases fit in the step. Against a reference that follows the rules by hand (what comes
+    before the first phase is no step's unless a step ends first). It found the waits of a step
+    ending inside a phase, and a wrapped bucket's wait before a phase began, counted twice."""
     unit = 1e-9 if device == "host" else 1e-3   # ns on the host clock, ms of device time
     for seed in range(150):
         rng = random.Random(seed)
@@ -925,8 +926,10 @@ def test_random_phase_sequences_count_every_moment_once(rx, device):
             advance = dev.launch
         rx.records.clear()
         m = make_monitor(rx, clock=clock, flush_seconds=60)
+        wrapped = rng.random() < 0.5  # buckets through ddp_hook_wrapper, or hook-free syncs
         truth = dict.fromkeys(PHASE_INDEX, 0)
-        stack, n, begun, before = [], 0, False, 0
+        stack, begun, before, before_waits = [], False, 0, []
+        waits, step_waits = [], []  # each step's gradient waits
         for _ in range(rng.randrange(5, 60)):
             r = rng.random()
             if r < 0.3:
@@ -934,24 +937,43 @@ def test_random_phase_sequences_count_every_moment_once(rx, device):
                                    "eval", "mine"])
                 stack.append(name if name in PHASE_INDEX else "other")
                 m.phase(name).__enter__()
-                begun, before = True, 0  # the setup before the first phase is no step's
+                begun, before, before_waits = True, 0, []  # the setup before it: no step's
             elif r < 0.5 and stack:
                 k = len(stack) - 1 if rng.random() < 0.85 else rng.randrange(len(stack))
                 k = max(i for i, name in enumerate(stack) if name == stack[k])  # the innermost
                 m.phase(stack[k]).__exit__(None, None, None)                  # of its name
                 del stack[k:]
-            elif r < 0.6:
+            elif r < 0.58:
                 dt = rng.randrange(1, 10**6)
                 m.timed_collective(advance, (dt,), {}, async_index=1)
                 if begun:
                     truth["sync"] += dt
                 else:
                     before += dt
+            elif r < 0.64:  # a backward's buckets: the last one's wait is the sync's
+                backward = object()
+                for last in [False] * rng.randrange(3) + [True]:
+                    m.bucket_ready(1, backward if wrapped else None)
+                    dt = rng.randrange(1, 10**6)
+                    advance(dt)
+                    if not last:
+                        if stack:          # an earlier bucket's all-reduce overlaps compute
+                            truth[stack[-1]] += dt
+                    elif begun:
+                        truth["sync"] += dt
+                        step_waits.append(dt)
+                    else:
+                        before += dt
+                        before_waits.append(dt)
+                    if wrapped:
+                        m.bucket_done()
+                if not wrapped:
+                    m.grads_synced()
             elif r < 0.7:
                 truth["sync"] += before      # a step before any phase: it runs from init()
-                before, begun = 0, True
+                waits.append(sum(step_waits + before_waits))
+                begun, before, before_waits, step_waits = True, 0, [], []
                 m.step(1)
-                n += 1
             else:
                 dt = rng.randrange(1, 10**6)
                 advance(dt)
@@ -964,14 +986,17 @@ def test_random_phase_sequences_count_every_moment_once(rx, device):
         for name in reversed(stack):
             m.phase(name).__exit__(None, None, None)
         truth["sync"] += before
+        waits.append(sum(step_waits + before_waits))
         m.step(1)
         if device == "cuda":
             dev.run()
         m.shutdown()
-        recs = steps(rx, n + 1)
-        assert len(recs) == n + 1, seed
-        for r in recs:
+        recs = steps(rx, len(waits))
+        assert len(recs) == len(waits), seed
+        for r, wait in zip(recs, waits):
             assert sum(r.phase_seconds) <= r.step_seconds + 1e-9, (seed, r.step, r.phase_seconds)
+            if wait:
+                assert r.wait_seconds == pytest.approx(wait * unit, abs=1e-9), (seed, r.step)
         got = {name: sum(phase(r, name) for r in recs) for name in PHASE_INDEX}
         assert got == {name: pytest.approx(t * unit, abs=1e-9) for name, t in truth.items()}, seed
         assert m.errors == 0 and not m._shared, seed

@@ -215,9 +215,11 @@ class Monitor:
                     if code < EXIT:
                         if not self._begun:
                             self._begin(e[1])
+                        if self._done is not None:  # a gradient wait ended before: not this
+                            self._close_ddp()       # phase's time (nor an enclosing one's)
                         if stack:
                             self._interrupt(e[1])
-                        if entries and entries[0][0] == code + EXIT and self._done is None:
+                        if entries and entries[0][0] == code + EXIT:
                             end = pop()
                             n = len(self._sync)
                             self._spans.append((code, e[1], end[1], n, n))
@@ -243,7 +245,9 @@ class Monitor:
         between (the model's setup, a checkpoint load, a barrier before the loop) is no step's:
         counted in, a first step of minutes among 1 s steps skewed every per-step figure."""
         self._begun = True
-        old, self._step_start, self._sync = self._step_start, mark, []
+        old, self._step_start, self._sync, self._grads = self._step_start, mark, [], []
+        if self._done is not None:  # a gradient sync before the loop (a warm-up backward)
+            self._ready = self._done = None
         self._first_start = mark  # also its phase's start: that phase's span gives it back
         self.clock.release(old)
 
