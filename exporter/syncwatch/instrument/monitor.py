@@ -112,7 +112,9 @@ class Monitor:
         """The hook-free gradient wait's first callbacks, one per watched model (``hooks``)."""
         # the replay's state: only the records thread (or flush()) touches it, under _lock
         self._lock = threading.Lock()
-        self._stack: list = []   # open phases: (index, start mark, sync index, host ns)
+        # open phases: (index, start mark, sync index, host ns); the start of the current span,
+        # None while a phase inside it runs (only the innermost phase's time runs)
+        self._stack: list = []
         self._spans: list = []   # this step's phases: (index, start, end, sync index lo, hi)
         self._shared: dict = {}  # id of a mark ending one span and starting the next: its uses
         self._sync: list = []    # this step's collective waits: (start mark, end mark)
