@@ -522,6 +522,34 @@ def test_shutdown_exchanges_the_windows_held_for_the_first_result(rx):
     assert last.totals.slack_seconds == pytest.approx(0.06)
 
 
+def test_a_blocking_collective_on_another_thread_is_counted_not_timed(rx):
+    """A collective another thread blocks in (DCP's ``async_save`` uploading in its executor,
+    ending in a ``dist.barrier`` while the loop trains on; a metrics thread) is none of the
+    training thread's wait. Timed, it was taken out of the training thread's phases and counted
+    whole as ``sync`` of the step it ended in: 0.15 s of ``sync`` in a 0.03 s step, its phases
+    summing to 5 times the step."""
+    import threading
+    m = make_monitor(rx)
+    t = threading.Thread(target=m.timed_collective, args=(time.sleep, (0.15,), {}, 1))
+    with m.phase("forward"):
+        pass
+    m.step(1)
+    t.start()
+    for _ in range(6):
+        with m.phase("data"):
+            time.sleep(0.03)
+        m.step(1)
+    t.join()
+    recs = steps(rx, 7)
+    for r in recs:
+        assert sum(r.phase_seconds) <= r.step_seconds + 1e-6, r
+        assert phase(r, "sync") == 0 and r.wait_seconds == 0, r
+    assert all(phase(r, "data") >= 0.03 for r in recs[1:]), recs
+    assert recs[-1].collective_sequence == 1  # counted all the same
+    assert not m.in_sync()
+    m.shutdown()
+
+
 def test_heartbeat_shows_a_rank_inside_a_collective(rx):
     m = make_monitor(rx, heartbeat_seconds=0.05)
     m.step(1)

@@ -91,6 +91,9 @@ class Monitor:
         self.errors = 0
         self._errors_lock = threading.Lock()
         self._refused: set[str] = set()  # step() arguments refused and logged once
+        # the training thread: the one that builds the monitor (``init()``; in zero-code mode
+        # the one that wraps the model). Only its blocking collectives are its waits
+        self.thread = threading.get_ident()
         self._new_attempts = 0  # attempts started by step numbers going backwards
         self.closed = False
         # hot path -> records thread
@@ -176,10 +179,18 @@ class Monitor:
         """Run a collective, timing a blocking one's wait as ``sync``. Its errors are the caller's.
 
         An ``async_op=True`` call is counted but not timed: its wait happens where the caller
-        waits on the returned work."""
+        waits on the returned work. So is a call on another thread than the training thread's
+        (``self.thread``): DCP's ``async_save`` uploading in its executor's thread, which ends in
+        a ``dist.barrier`` while the loop trains on, or a metrics thread of the script's own.
+        Timed, its wait (none of the training thread's) was taken out of the training thread's
+        phases and counted as ``sync`` of the step in which it ended, all of it, from a start
+        steps before: that step's phases summed to more than the step (0.15 s of ``sync`` in a
+        0.03 s step), and pairing its end with the training thread's own collectives mixed the
+        two up."""
         timed = False
         try:
-            if kwargs.get("async_op") or (len(args) > async_index and args[async_index]):
+            if (kwargs.get("async_op") or (len(args) > async_index and args[async_index])
+                    or threading.get_ident() != self.thread):
                 self._put(_SEQ_ENTRY)
             else:
                 self._put((COLL, self._mark()))
