@@ -1528,6 +1528,28 @@ def test_zero_code_counts_a_closure_s_batch_once_however_often_it_evaluates_it(r
     assert [r.samples for r in recs] == [5.0] * 3
 
 
+def test_zero_code_times_a_second_optimizer_s_step_and_the_loading_after_it(rx):
+    """A GAN stepping its discriminator first (the optimizer that ends the steps), then its
+    generator: the generator's ``step()`` is ``optimizer``, and the next batch's loading after it
+    (a 0.1 s sleep) is ``data``. Nothing switched at the second optimizer's step, and both read
+    as ``backward`` (the phase since the discriminator's second forward)."""
+    run_zero_code(rx, "G = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+                      "D = DistributedDataParallel(torch.nn.Linear(8, 1))\n"
+                      "oG = torch.optim.SGD(G.parameters(), lr=0.1)\n"
+                      "oD = torch.optim.SGD(D.parameters(), lr=0.1)\n"
+                      "for _ in range(3):\n"
+                      "    time.sleep(0.1)\n"
+                      "    fake = G(torch.randn(6, 8))\n"
+                      "    D(fake.detach()).mean().backward(); oD.step(); oD.zero_grad()\n"
+                      "    D(fake).mean().backward(); oG.step(); oG.zero_grad()\n",
+                  imports="import time\n")
+    recs = steps(rx, 3)
+    assert [r.samples for r in recs] == [6.0] * 3
+    for r in recs[1:]:
+        assert phase(r, "data") >= 0.1 and phase(r, "backward") < 0.05, r.phase_seconds
+        assert sum(r.phase_seconds) <= r.step_seconds + 1e-6
+
+
 def test_zero_code_times_only_the_training_threads_own_saves_as_checkpoint(rx):
     """What a save is under ``syncwatch-run``: on the training thread once the loop has started,
     ``checkpoint``, and then the phase it interrupted goes on (``data`` after a step, ``eval``

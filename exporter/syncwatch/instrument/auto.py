@@ -33,7 +33,8 @@ be created there):
 
 Not visible without the explicit API: tokens, saves by other means (``safetensors``, a thread of
 the script's own), the job's own step numbers (hence re-run steps after a restart), custom
-phases, and anything a second optimizer does.
+phases, and steps ended by a second optimizer (its own ``step()`` is ``optimizer``, then
+``data``).
 """
 
 from __future__ import annotations
@@ -227,9 +228,21 @@ class _Steps:
         if self.optimizer() is optimizer:
             self.in_step, self.step_counted = True, False
             self.switch("optimizer")
+        elif not self.in_step and self.cur is not None:
+            # another optimizer's own step (a GAN's second half stepping after the first, a
+            # second parameter group's optimizer), not one inside the first's step (an optimizer
+            # wrapping another: ZeroRedundancyOptimizer): its update is ``optimizer`` too
+            self.switch("optimizer")
 
     def optimizer_post(self, optimizer, args, kwargs):
-        if _state.monitor is not self.m or self.optimizer() is not optimizer:
+        if _state.monitor is not self.m:
+            return
+        if self.optimizer() is not optimizer:
+            # and what follows it until the next forward (zero_grad, loading) is ``data``, as
+            # after the first's: left in ``backward``, a GAN stepping its discriminator first
+            # read its generator's update and the next batch's loading as backward
+            if not self.in_step and self.cur is self.m.phase("optimizer"):
+                self.switch("data")
             return
         self.in_step = False
         self.end_step()
