@@ -550,6 +550,39 @@ def test_a_blocking_collective_on_another_thread_is_counted_not_timed(rx):
     m.shutdown()
 
 
+def test_a_collective_in_a_backward_on_another_thread_is_timed(rx):
+    """Autograd runs a CUDA backward on a thread of its own, and FSDP's reduce-scatters with it:
+    those waits are the training step's, whatever thread calls them. Here a backward runs on a
+    thread of the test's (CPU autograd runs it on the caller's) and its collective is timed."""
+    import threading
+
+    import torch
+
+    from syncwatch.instrument import hooks
+    m = make_monitor(rx, in_backward=hooks.in_backward)
+
+    class Reduced(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            m.timed_collective(time.sleep, (0.05,), {}, 1)  # a reduce-scatter of 50 ms
+            return grad * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with Span() as backward, m.phase("backward"):
+        t = threading.Thread(target=lambda: Reduced.apply(x).sum().backward())
+        t.start()
+        t.join()
+    m.step(1)
+    r = steps(rx, 1)[0]
+    assert 0.05 <= phase(r, "sync") <= backward.seconds and r.collective_sequence == 1
+    assert phase(r, "backward") + phase(r, "sync") <= backward.seconds
+    m.shutdown()
+
+
 def test_heartbeat_shows_a_rank_inside_a_collective(rx):
     m = make_monitor(rx, heartbeat_seconds=0.05)
     m.step(1)

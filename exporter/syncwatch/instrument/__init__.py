@@ -137,7 +137,8 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
                                 lambda waits: torch.tensor(waits, dtype=torch.float64))
     monitor = Monitor(ident, sender or Sender(path=socket, udp=udp), clock=clock,
                       exchange=exchange, exchange_every=exchange_every,
-                      exchange_seconds=exchange_seconds, heartbeat_seconds=heartbeat_seconds)
+                      exchange_seconds=exchange_seconds, heartbeat_seconds=heartbeat_seconds,
+                      in_backward=hooks.in_backward)
     _state.set_monitor(monitor)
     _guard_destroy(dist)
     atexit.register(_at_exit)

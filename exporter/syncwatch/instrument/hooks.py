@@ -228,6 +228,13 @@ def register_model(model, hook=None, state=None) -> Handle:
     return handle
 
 
+def in_backward() -> bool:
+    """Whether the calling thread runs a backward: autograd's own thread for CUDA tensors, whose
+    collectives (FSDP's reduce-scatters) are the training step's."""
+    import torch
+    return torch._C._current_graph_task_id() != -1
+
+
 def original(name: str):
     """torch.distributed's own function ``name``, unwrapped."""
     import torch.distributed as dist

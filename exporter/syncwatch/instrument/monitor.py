@@ -72,7 +72,7 @@ class Monitor:
     def __init__(self, identity: Identity, sender, *, clock=None, exchange=None,
                  exchange_every: int = 50, exchange_seconds: float = EXCHANGE_SECONDS,
                  heartbeat_seconds: float = 5.0,
-                 flush_seconds: float = FLUSH_SECONDS):
+                 flush_seconds: float = FLUSH_SECONDS, in_backward=None):
         self.identity = identity
         self.encoder = Encoder(identity)
         self.sender = sender
@@ -92,8 +92,11 @@ class Monitor:
         self._errors_lock = threading.Lock()
         self._refused: set[str] = set()  # step() arguments refused and logged once
         # the training thread: the one that builds the monitor (``init()``; in zero-code mode
-        # the one that wraps the model). Only its blocking collectives are its waits
+        # the one that wraps the model). Only its blocking collectives are its waits, and those
+        # of its backward, which autograd runs on a thread of its own for CUDA tensors (FSDP's
+        # reduce-scatters): ``in_backward()`` says whether the calling thread runs a backward
         self.thread = threading.get_ident()
+        self._in_backward = in_backward or (lambda: False)
         self._new_attempts = 0  # attempts started by step numbers going backwards
         self.closed = False
         # hot path -> records thread
@@ -180,7 +183,8 @@ class Monitor:
 
         An ``async_op=True`` call is counted but not timed: its wait happens where the caller
         waits on the returned work. So is a call on another thread than the training thread's
-        (``self.thread``): DCP's ``async_save`` uploading in its executor's thread, which ends in
+        (``self.thread``) outside a backward: DCP's ``async_save`` uploading in its executor's
+        thread, which ends in
         a ``dist.barrier`` while the loop trains on, or a metrics thread of the script's own.
         Timed, its wait (none of the training thread's) was taken out of the training thread's
         phases and counted as ``sync`` of the step in which it ended, all of it, from a start
@@ -190,7 +194,7 @@ class Monitor:
         timed = False
         try:
             if (kwargs.get("async_op") or (len(args) > async_index and args[async_index])
-                    or threading.get_ident() != self.thread):
+                    or (threading.get_ident() != self.thread and not self._in_backward())):
                 self._put(_SEQ_ENTRY)
             else:
                 self._put((COLL, self._mark()))
