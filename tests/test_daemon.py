@@ -549,6 +549,36 @@ def test_a_new_process_with_a_lower_attempt_takes_over_once_the_old_one_is_gone(
     assert job.attempt == 1 and job.restarts == 1 and job.rerun_steps == 9  # 22..30 again
 
 
+@pytest.mark.parametrize("attempt", [0, 1])
+def test_rerun_steps_count_from_rank0s_highest_step_its_heartbeats_told(attempt):
+    """A daemon started under a hung rank 0 hears only its heartbeats (last step 50); the job
+    restarts from the checkpoint at 40, as a new attempt or in place (a new pid of the same
+    attempt). The previous highest step was taken from step records only: 0 re-run steps for 10,
+    and the restart in place not counted at all (its first step did not go "backwards" from
+    nothing). A lost last step record, its step told by the end record, undercounted the same way."""
+    state, decoder = State(DaemonConfig(socket=None)), Decoder()
+    hung = RankSim(identity(0, world=1, attempt=0, pid=100))
+    state.apply(decoder.decode(hung.enc.heartbeat(WALL0 + 60, 50, WALL0 + 50, "sync", 10.0, 100)))
+    new = RankSim(identity(0, world=1, attempt=attempt, pid=200))
+    for s in range(41, 46):
+        state.apply(decoder.decode(new.step(s, 0.1)))
+    job = state.snapshot().jobs[0]
+    assert (job.restarts, job.rerun_steps) == (1, 10)
+    # the step record of 46 lost, the end record tells it: the next restart re-runs 43..46
+    state.apply(decoder.decode(new.enc.end(WALL0 + 70, 46)))
+    later = RankSim(identity(0, world=1, attempt=attempt + 1, pid=300))
+    state.apply(decoder.decode(later.step(43, 0.1)))
+    job = state.snapshot().jobs[0]
+    assert (job.restarts, job.rerun_steps) == (2, 14)
+    # a daemon (re)started just before rank 0's end record: its last step is all it knows
+    state, decoder = State(DaemonConfig(socket=None)), Decoder()
+    state.apply(decoder.decode(later.enc.end(WALL0 + 80, 47)))
+    state.apply(decoder.decode(RankSim(identity(0, world=1, attempt=attempt + 2, pid=400))
+                               .step(44, 0.1)))
+    job = state.snapshot().jobs[0]
+    assert (job.restarts, job.rerun_steps) == (1, 4)
+
+
 def test_job_series_come_only_from_the_daemon_that_hears_rank0(sock_path):
     """A restart moves rank 0 to another node while rank 1 stays here: once rank 0's old process
     expires, this daemon no longer hears rank 0 and stops reporting the job's series. It kept

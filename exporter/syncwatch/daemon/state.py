@@ -274,6 +274,13 @@ class State:
                 self._heartbeat(r, rec)
             else:
                 self._end(r, rec)
+            if ident.rank == 0 and r.last_step > job.max_step and (
+                    r.last_step_wall > 0 or r.last_step > 0):  # an end record's 0: no step yet
+                # rank 0's highest step, as its heartbeats and end record tell it too: a daemon
+                # started under a hung rank 0 hears only those, and a lost step record is no
+                # step not run (the restart after them counted no or too few re-run steps, and
+                # a restart in place none at all)
+                job.max_step = r.last_step
 
     def _rank(self, ident: Identity, now: float) -> tuple[RankState | None, JobState]:
         job = self.jobs.get(ident.train_job)
