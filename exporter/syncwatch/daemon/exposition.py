@@ -1,10 +1,10 @@
 """Metric families of the daemon's own data, built fresh at scrape time from a ``State`` snapshot.
 
-Names, types and labels follow the metric contract in DESIGN.md. Per rank (labels train_job,
-rank): rank_info, steps, step seconds, 8 phases, slack and last arrivals (exact mode only),
-samples, tokens (when reported), step CV, autocorrelation, last step, its timestamp, collective
-sequence, the heartbeat phase and, once it ended, its end — at most 23 series, under the budget
-of 25.
+Names, types and labels follow the metric contract (DESIGN.md, and docs/metrics.md for what
+changed since). Per rank (labels train_job, rank): rank_info, steps, step seconds, 8 phases,
+slack and last arrivals (exact mode only), samples, tokens (when reported), step CV,
+autocorrelation, last step, its timestamp, collective sequence, the heartbeat phase and, once it
+ended, its end — at most 22 series, under the budget of 25.
 """
 
 from __future__ import annotations
