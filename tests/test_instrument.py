@@ -1579,7 +1579,7 @@ def test_zero_code_times_a_second_optimizer_s_step_and_the_loading_after_it(rx):
     recs = steps(rx, 3)
     assert [r.samples for r in recs] == [6.0] * 3
     for r in recs[1:]:
-        assert phase(r, "data") >= 0.1 and phase(r, "backward") < 0.05, r.phase_seconds
+        assert phase(r, "data") >= 0.1 and phase(r, "backward") < 0.1, r.phase_seconds
         assert sum(r.phase_seconds) <= r.step_seconds + 1e-6
 
 
