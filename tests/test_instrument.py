@@ -559,7 +559,7 @@ def test_a_collective_in_a_backward_on_another_thread_is_timed(rx):
     import torch
 
     from syncwatch.instrument import hooks
-    m = make_monitor(rx, in_backward=hooks.in_backward)
+    m = make_monitor(rx, in_backward=hooks.backward_probe())
 
     class Reduced(torch.autograd.Function):
         @staticmethod

@@ -138,7 +138,7 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
     monitor = Monitor(ident, sender or Sender(path=socket, udp=udp), clock=clock,
                       exchange=exchange, exchange_every=exchange_every,
                       exchange_seconds=exchange_seconds, heartbeat_seconds=heartbeat_seconds,
-                      in_backward=hooks.in_backward)
+                      in_backward=hooks.backward_probe())
     _state.set_monitor(monitor)
     _guard_destroy(dist)
     atexit.register(_at_exit)

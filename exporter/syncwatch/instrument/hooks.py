@@ -228,11 +228,13 @@ def register_model(model, hook=None, state=None) -> Handle:
     return handle
 
 
-def in_backward() -> bool:
-    """Whether the calling thread runs a backward: autograd's own thread for CUDA tensors, whose
-    collectives (FSDP's reduce-scatters) are the training step's."""
+def backward_probe():
+    """A function saying whether the calling thread runs a backward: autograd's own thread for
+    CUDA tensors, whose collectives (FSDP's reduce-scatters) are the training step's. Asked at
+    every such collective, so torch's function is looked up once, here."""
     import torch
-    return torch._C._current_graph_task_id() != -1
+    task_id = torch._C._current_graph_task_id
+    return lambda: task_id() != -1
 
 
 def original(name: str):

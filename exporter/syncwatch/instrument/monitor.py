@@ -182,15 +182,11 @@ class Monitor:
         """Run a collective, timing a blocking one's wait as ``sync``. Its errors are the caller's.
 
         An ``async_op=True`` call is counted but not timed: its wait happens where the caller
-        waits on the returned work. So is a call on another thread than the training thread's
+        waits on the returned work. So is a call on another thread than the training thread
         (``self.thread``) outside a backward: DCP's ``async_save`` uploading in its executor's
-        thread, which ends in
-        a ``dist.barrier`` while the loop trains on, or a metrics thread of the script's own.
-        Timed, its wait (none of the training thread's) was taken out of the training thread's
-        phases and counted as ``sync`` of the step in which it ended, all of it, from a start
-        steps before: that step's phases summed to more than the step (0.15 s of ``sync`` in a
-        0.03 s step), and pairing its end with the training thread's own collectives mixed the
-        two up."""
+        thread, ending in a ``dist.barrier`` while the loop trains on, or a metrics thread. Its
+        wait is none of the training thread's: timed, it was counted as ``sync`` of the step it
+        ended in (0.15 s of ``sync`` in a 0.03 s step)."""
         timed = False
         try:
             if (kwargs.get("async_op") or (len(args) > async_index and args[async_index])
