@@ -15,10 +15,10 @@ WALL0 = 1_800_000_000.0  # a fixed, plausible unix time
 
 
 def identity(rank=0, job="job-a", attempt=0, world=64, node="node-1", pid=None, local_rank=None,
-             gpu=-1, uuid=""):
+             gpu=-1, uuid="", nonce=0):
     return Identity(train_job=job, attempt=attempt, rank=rank,
                     local_rank=rank % 8 if local_rank is None else local_rank, world_size=world,
-                    node=node, pid=pid or 1000 + rank, gpu=gpu, gpu_uuid=uuid)
+                    node=node, pid=pid or 1000 + rank, gpu=gpu, gpu_uuid=uuid, nonce=nonce)
 
 
 class RankSim:

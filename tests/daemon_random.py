@@ -2,7 +2,8 @@
 against a small hand-kept reference after every sweep / scrape.
 
 A history: 1-2 jobs of 1-4 ranks, each a series of launches (a new attempt, a restart in place:
-new pids, same attempt), each rank's process stepping with cumulative totals, heartbeats every
+new pids, same attempt; a container restarted in place: the same pids again, new nonces, the
+attempt the same or back to the first launch's), each rank's process stepping with cumulative totals, heartbeats every
 5 s (carrying the last completed step, possibly ahead of its delayed step record), in-process
 resumes (same pid, attempt + 1, step numbers back to the checkpoint), ends that are graceful (the
 last step record sent again with the last exchange window's totals, then an end record), a crash
@@ -38,7 +39,7 @@ class Msg:
     t: float
     job: str
     rank: int
-    pid: int
+    pid: tuple[int, int]        # the process: (pid, nonce)
     attempt: int
     kind: str                   # step, hb, end, garbage
     data: bytes
@@ -68,7 +69,7 @@ class Proc:
         self.attempt = attempt
         self.ident = Identity(train_job=self.job, attempt=attempt, rank=self.rank,
                               local_rank=self.rank, world_size=self.world, node="node-1",
-                              pid=self.pid)
+                              pid=self.pid[0], nonce=self.pid[1])
         self.enc = Encoder(self.ident)
 
     def _send(self, t, kind, data, **kw):
@@ -129,6 +130,7 @@ class Sim:
         self.rng = random.Random(seed)
         self.msgs: list[Msg] = []
         self.pids = itertools.count(1000)
+        self.nonces = itertools.count(1)
 
     def emit(self, m):
         self.msgs.append(m)
@@ -138,11 +140,16 @@ class Sim:
         world = rng.randint(1, 4)
         exact = [rng.random() < 0.6 for _ in range(world)]
         ck_every = rng.choice((3, 5, 10))
-        launcher = rng.choice((0, 0, 2))
+        launcher = first_launcher = rng.choice((0, 0, 2))
         start = rng.choice((0, 1))
         ckpt = None
-        for _launch in range(rng.randint(1, 5)):
-            procs = [Proc(self, name, r, world, launcher, next(self.pids), exact[r])
+        pids = []
+        for launch in range(rng.randint(1, 5)):
+            if launch and rng.random() < 0.3:  # a container restarted in place: the same pids
+                launcher = rng.choice((launcher, first_launcher))
+            else:
+                pids = [next(self.pids) for _ in range(world)]
+            procs = [Proc(self, name, r, world, launcher, (pids[r], next(self.nonces)), exact[r])
                      for r in range(world)]
             hb_next = t + rng.random() * 5
 
@@ -223,7 +230,7 @@ class Sim:
             kind = rng.choice(("bad_magic", "truncated", "unknown_version"))
             data = {"bad_magic": b"XX" + src[2:], "truncated": src[:5],
                     "unknown_version": src[:2] + b"\x09" + src[3:]}[kind]
-            msgs.append(Msg(rng.uniform(0, t_end), "", 0, 0, 0, "garbage", data, bad=kind))
+            msgs.append(Msg(rng.uniform(0, t_end), "", 0, (0, 0), 0, "garbage", data, bad=kind))
         msgs.sort(key=lambda m: m.t)
         # daemon restarts: down for a few seconds, then a fresh State
         restarts = sorted(rng.uniform(0, t_end) for _ in range(rng.choice((0, 0, 1, 2))))
@@ -236,9 +243,9 @@ class Sim:
 
 @dataclass
 class RRank:
-    key: tuple[int, int]
+    key: tuple[tuple[int, int], int]  # ((pid, nonce), attempt)
     seen: float
-    superseded: tuple[int, int] | None = None
+    superseded: tuple[tuple[int, int], int] | None = None
     ended: bool = False
     totals: Cumulative | None = None
     step_seen: int = -1
@@ -249,7 +256,7 @@ class RRank:
 
 @dataclass
 class R0:
-    key: tuple[int, int]
+    key: tuple[tuple[int, int], int]
     first: int | None = None    # first step record applied
     max_step: int = -1          # highest step of its step records
     max_any: int = -1           # ... of any record (heartbeats', end records' last step)
@@ -304,7 +311,7 @@ class Ref:
         else:
             self.c("takeover lower attempt" if m.attempt < r.key[1] else
                    "takeover same attempt" if m.attempt == r.key[1] else
-                   "takeover same pid" if m.pid == r.key[0] else "takeover higher attempt")
+                   "takeover same process" if m.pid == r.key[0] else "takeover higher attempt")
             sup = r.key if r.key[1] == m.attempt else None
             r = job.ranks[m.rank] = RRank(key, now, superseded=sup)
         if (m.kind == "step" and r.totals is not None and m.step > r.step_seen
@@ -446,7 +453,7 @@ def run(seed: int) -> dict:
                 fail(f"{jv.train_job} ranks {[v.ident.rank for v in jv.ranks]} != {sorted(rj.ranks)}")
             for v in jv.ranks:
                 rr = rj.ranks[v.ident.rank]
-                key = (v.ident.pid, v.ident.attempt)
+                key = (v.ident.process, v.ident.attempt)
                 where = f"{jv.train_job} rank {v.ident.rank} {key}"
                 if key != rr.key:
                     fail(f"{where}: process != reference {rr.key}")

@@ -195,7 +195,7 @@ def _bad_identity() -> bytes:
     """A well-formed record whose identity says rank 9 of a world of 4."""
     good = _valid_step()
     ident_len = struct.unpack_from("<H", good, 4)[0]
-    ident = IDENT_FIXED.pack(9, 1, 4, 0, -1, 77) + good[6 + IDENT_FIXED.size:6 + ident_len]
+    ident = IDENT_FIXED.pack(9, 1, 4, 0, -1, 77, 1) + good[6 + IDENT_FIXED.size:6 + ident_len]
     return good[:6] + ident + good[6 + ident_len:]
 
 
@@ -484,13 +484,36 @@ def test_restarts_and_rerun_steps(daemon, client):
     assert value(m, "syncwatch_last_step", train_job="job-a", rank=0) == 61
 
 
-def test_two_live_processes_as_one_rank_are_a_conflict_not_a_restart_each_record(daemon, client):
-    """Two runs that share a job name on one node: pids 21 and 22 are both rank 0 of attempt 0,
-    their records interleaved. Each replaced the other's state in turn: steps_total swung between
+def test_a_container_restarted_in_place_is_a_restart_though_pid_and_attempt_repeat(daemon, client):
+    """A container restarted in place (Kubernetes ``restartPolicy: OnFailure``): its new PID
+    namespace gives the rank pid 7 again and torchrun's restart count starts again at 0; only the
+    nonce differs. Read as the same process, the resumed steps 41..50 were ignored, 51.. rejected
+    as bad_value (steps_total below the old count) and no restart counted."""
+    old = RankSim(identity(0, pid=7, nonce=0x1111))
+    client.send(*(old.step(s, 0.1, checkpoint=s == 40) for s in range(1, 51)))
+    new = RankSim(identity(0, pid=7, nonce=0x2222))
+    client.send(*(new.step(s, 0.1) for s in range(41, 56)))
+    wait_records(daemon.url, 65)
+    m = scrape(daemon.url)
+    assert value(m, "syncwatch_job_restarts_total", train_job="job-a") == 1
+    assert value(m, "syncwatch_job_rerun_steps_total", train_job="job-a") == 10
+    assert value(m, "syncwatch_steps_total", train_job="job-a", rank=0) == 15  # the new process's
+    assert value(m, "syncwatch_last_step", train_job="job-a", rank=0) == 55
+    assert value(m, "syncwatch_ingest_rejected_total", reason="bad_value") == 0
+
+
+@pytest.mark.parametrize("pids", [((21, 0), (22, 0)), ((1, 5), (1, 6))],
+                         ids=["two-pids", "one-pid-two-namespaces"])
+def test_two_live_processes_as_one_rank_are_a_conflict_not_a_restart_each_record(daemon, client,
+                                                                                  pids):
+    """Two runs that share a job name on one node: pids 21 and 22 (or pid 1 twice, in two
+    containers: two nonces) are both rank 0 of attempt 0, their records interleaved. Each replaced
+    the other's state in turn: steps_total swung between
     their counts (a counter reset at every scrape), and each swing to the lower step counted a
     restart (10 restarts, 1010 re-run steps over 10 steps each). The second process takes over
     once, as a restart in place would; the first one speaking again is then a conflict, rejected."""
-    a, b = RankSim(identity(0, pid=21)), RankSim(identity(0, pid=22))
+    (pa, na), (pb, nb) = pids
+    a, b = RankSim(identity(0, pid=pa, nonce=na)), RankSim(identity(0, pid=pb, nonce=nb))
     for s in range(10):
         client.send(a.step(101 + s, 0.1), b.step(1 + s, 0.1))
     wait_records(daemon.url, 20)
@@ -499,7 +522,7 @@ def test_two_live_processes_as_one_rank_are_a_conflict_not_a_restart_each_record
     assert value(m, "syncwatch_steps_total", train_job="job-a", rank=0) == 10  # the later run's
     assert value(m, "syncwatch_job_restarts_total", train_job="job-a") == 1  # its take-over
     assert value(m, "syncwatch_rank_info", train_job="job-a", rank=0, local_rank=0, node="node-1",
-                 gpu="", uuid="", pid=22) == 1
+                 gpu="", uuid="", pid=pb) == 1
 
 
 def test_a_restarted_process_before_its_first_step_has_no_step_timestamp(daemon, client):

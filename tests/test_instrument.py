@@ -1774,6 +1774,39 @@ def test_destroying_the_default_group_shuts_the_monitor_down_first(rx, sock_path
     assert wait_for(lambda: rx.of(EndRecord))
 
 
+def test_a_second_init_in_one_process_is_a_new_process_to_the_daemon(rx, sock_path):
+    """``init()`` after a shutdown (a retry or a second run in the same process) starts counting
+    from 0 again with the same pid and attempt. Its identity's nonce is drawn anew, so the daemon
+    takes it as a new process: fresh counters, and a restart whose re-run steps are the first
+    run's 1..3 (the daemon's definition: previous highest step − first step + 1). With one nonce
+    the second run's steps were duplicates of the first's, ignored (3 steps, no restart)."""
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    import syncwatch.instrument as sw
+    from syncwatch.daemon.config import DaemonConfig
+    from syncwatch.daemon.state import State
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        idents = []
+        for steps in (3, 2):
+            m = sw.init(job="again", socket=sock_path, heartbeat_seconds=0, exchange_every=0)
+            idents.append(m.identity)
+            for _ in range(steps):
+                m.step(1)
+            sw.shutdown()
+    finally:
+        dist.destroy_process_group()
+    assert wait_for(lambda: len(rx.of(EndRecord)) == 2)
+    assert idents[0].pid == idents[1].pid and idents[0].attempt == idents[1].attempt
+    assert idents[0].nonce != idents[1].nonce
+    state = State(DaemonConfig(socket=None))
+    for record in rx.records:
+        state.apply(record)
+    job = state.snapshot().jobs[0]
+    assert (job.ranks[0].totals.steps, job.ranks[0].last_step) == (2, 2)
+    assert (job.restarts, job.rerun_steps) == (1, 3)
+
+
 def test_default_ddp_path_registers_no_comm_hook_and_waits_for_the_collectives(rx, ddp_world1):
     torch = ddp_world1
     import syncwatch.instrument as sw

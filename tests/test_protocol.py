@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import struct
 
@@ -12,7 +13,8 @@ from syncwatch.protocol import (HEADER, IDENT_FIXED, MAX_DATAGRAM, PHASES, REJEC
                                 HeartbeatRecord, Identity, ProtocolError, SkewHistogram, StepRecord)
 
 IDENT = Identity(train_job="llama-7b.run:3", attempt=2, rank=5, local_rank=1, world_size=16,
-                 node="gpu-node-07", pid=4242, gpu=1, gpu_uuid="GPU-8f1c2d3e-aaaa")
+                 node="gpu-node-07", pid=4242, gpu=1, gpu_uuid="GPU-8f1c2d3e-aaaa",
+                 nonce=0xDEADBEEF)
 TOTALS = Cumulative(steps=10, step_seconds=1.5, phase_seconds=tuple(0.1 * i for i in range(len(PHASES))),
                     slack_seconds=0.25, last_arrivals=3, samples=320.0, tokens=32000.0,
                     checkpoints=1, dropped_records=4, internal_errors=2, reported_dropped=3,
@@ -52,7 +54,7 @@ def test_heartbeat_and_end_round_trip():
     enc = Encoder(IDENT)
     hb = Decoder().decode(enc.heartbeat(WALL, 9, WALL - 3, "sync", 2.5, 19, 4, 1, 3, 0))
     assert hb == HeartbeatRecord(IDENT, WALL, 9, WALL - 3, "sync", 2.5, 19, 4, 1, 3, 0)
-    for name in PHASES:  # the last, eval, is version 3's
+    for name in PHASES:
         assert Decoder().decode(enc.heartbeat(WALL, 9, WALL - 3, name, 60.0, 19)).phase == name
     end = Decoder().decode(enc.end(WALL, 10, "failed"))
     assert end == EndRecord(IDENT, WALL, 10, "failed")
@@ -77,36 +79,39 @@ def test_truncated(cut):
 def test_bad_magic_unknown_version_unknown_kind():
     data = step_bytes()
     assert reason_of(b"XY" + data[2:]) == "bad_magic"
-    for version in (VERSION - 2, VERSION + 1):  # 1 is the layout before the reported_* fields
+    for version in (VERSION - 2, VERSION + 1):  # 2 is the layout before the eval phase
         assert reason_of(data[:2] + bytes([version]) + data[3:]) == "unknown_version"
     assert reason_of(data[:3] + bytes([99]) + data[4:]) == "unknown_kind"
 
 
-def _version_2(kind: int, body: bytes) -> bytes:
-    ident = IDENT.encode()
-    return HEADER.pack(b"SW", 2, kind, len(ident)) + ident + body
+def test_version_3_records_decode_with_nonce_0():
+    """A rank on the release before the nonce keeps reporting to an upgraded daemon: its identity
+    block (written here in version 3's layout, independent of the encoder) has no nonce, read as
+    0; the bodies are the same. A block's bytes read as the other version are rejected."""
+    fixed = struct.pack("<iiiiiI", 5, 1, 16, 2, 1, 4242)
+    ident = fixed + b"".join(bytes((len(s),)) + s for s in (b"llama-7b.run:3", b"gpu-node-07",
+                                                           b"GPU-8f1c2d3e-aaaa"))
+    body = step_bytes()[HEADER.size + len(IDENT.encode()):]
+    rec = Decoder().decode(HEADER.pack(b"SW", 3, 1, len(ident)) + ident + body)
+    assert rec.identity == dataclasses.replace(IDENT, nonce=0)
+    assert rec.identity.process == (4242, 0)
+    assert (rec.step, rec.totals) == (10, TOTALS)
+    hb = Encoder(IDENT).heartbeat(WALL, 9, WALL - 3, "eval", 2.5, 19)[HEADER.size + len(IDENT.encode()):]
+    assert Decoder().decode(HEADER.pack(b"SW", 3, 2, len(ident)) + ident + hb).phase == "eval"
+    assert reason_of(HEADER.pack(b"SW", 4, 1, len(ident)) + ident + body) == "truncated"
+    v4 = IDENT.encode()
+    assert reason_of(HEADER.pack(b"SW", 3, 1, len(v4)) + v4 + body) == "truncated"
 
 
-def test_version_2_records_decode_without_an_eval_phase():
-    """A rank on the release before the eval phase keeps reporting to an upgraded daemon: its
-    7 phases (written here in version 2's layout, independent of the encoder) read as the first
-    7 of PHASES, eval 0."""
-    old = [0.01 * (i + 1) for i in range(7)]
-    totals = [1.0 * (i + 1) for i in range(7)]
-    body = struct.pack("<qddd7dqddqd7ddqddqqqqqB", 10, WALL, 0.15, 0.01, *old, 20, 32.0, 0.0,
-                       10, 1.5, *totals, 0.25, 3, 320.0, 0.0, 1, 4, 2, 3, 2, 1)
-    rec = Decoder().decode(_version_2(1, body))
-    assert PHASES[:7] == ("data", "forward", "backward", "optimizer", "sync", "checkpoint", "other")
-    assert rec.phase_seconds == (*old, 0.0)
-    assert rec.totals.phase_seconds == (*totals, 0.0)
-    assert (rec.step, rec.step_seconds, rec.collective_sequence, rec.totals.checkpoints) == (10, 0.15, 20, 1)
-    assert rec.exact and not rec.has_tokens
-    assert reason_of(_version_2(1, body + b"\0" * 8)) == "unknown_fields"  # a version 3 length
-
-    hb = struct.pack("<dqdBdqqqqq", WALL, 9, WALL - 3, 6, 2.5, 19, 0, 0, 0, 0)
-    assert Decoder().decode(_version_2(2, hb)).phase == "other"
-    hb7 = struct.pack("<dqdBdqqqqq", WALL, 9, WALL - 3, 7, 2.5, 19, 0, 0, 0, 0)
-    assert reason_of(_version_2(2, hb7)) == "bad_value"  # version 2 had no phase 7
+def test_the_nonce_tells_processes_with_one_pid_apart():
+    d = Decoder()
+    a = d.decode(step_bytes())
+    b = d.decode(step_bytes(Encoder(dataclasses.replace(IDENT, nonce=7))))
+    assert (a.identity.pid, b.identity.pid) == (4242, 4242)
+    assert a.identity.process != b.identity.process
+    for nonce in (-1, 1 << 32):
+        with pytest.raises(ProtocolError):
+            Encoder(dataclasses.replace(IDENT, nonce=nonce))
 
 
 def test_unknown_fields():
@@ -125,23 +130,23 @@ def _with_identity(fixed: tuple, strings=(b"job", b"node", b"")) -> bytes:
 
 
 @pytest.mark.parametrize("fixed,strings", [
-    ((4, 0, 4, 0, -1, 1), (b"job", b"node", b"")),           # rank == world
-    ((-1, 0, 4, 0, -1, 1), (b"job", b"node", b"")),          # negative rank
-    ((0, 0, 4, 0, -1, 0), (b"job", b"node", b"")),           # pid 0
-    ((0, 0, 4, 0, -2, 1), (b"job", b"node", b"")),           # gpu -2
-    ((0, 0, 4, 0, -1, 1), (b"job name", b"node", b"")),      # space in a label value
-    ((0, 0, 4, 0, -1, 1), (b'job"}', b"node", b"")),         # exposition injection attempt
-    ((0, 0, 4, 0, -1, 1), (b"", b"node", b"")),              # empty job
-    ((0, 0, 4, 0, -1, 1), (b"j" * 129, b"node", b"")),       # longer than 128
-    ((0, 0, 4, 0, -1, 1), (b"job", b"\xff\xfe", b"")),       # not UTF-8
-    ((0, 0, 4, 0, -1, 1), (b"job", b"n\xc3\xa9", b"")),      # UTF-8 but outside the label set
+    ((4, 0, 4, 0, -1, 1, 9), (b"job", b"node", b"")),         # rank == world
+    ((-1, 0, 4, 0, -1, 1, 9), (b"job", b"node", b"")),        # negative rank
+    ((0, 0, 4, 0, -1, 0, 9), (b"job", b"node", b"")),         # pid 0
+    ((0, 0, 4, 0, -2, 1, 9), (b"job", b"node", b"")),         # gpu -2
+    ((0, 0, 4, 0, -1, 1, 9), (b"job name", b"node", b"")),    # space in a label value
+    ((0, 0, 4, 0, -1, 1, 9), (b'job"}', b"node", b"")),       # exposition injection attempt
+    ((0, 0, 4, 0, -1, 1, 9), (b"", b"node", b"")),            # empty job
+    ((0, 0, 4, 0, -1, 1, 9), (b"j" * 129, b"node", b"")),     # longer than 128
+    ((0, 0, 4, 0, -1, 1, 9), (b"job", b"\xff\xfe", b"")),     # not UTF-8
+    ((0, 0, 4, 0, -1, 1, 9), (b"job", b"n\xc3\xa9", b"")),    # UTF-8 but outside the label set
 ])
 def test_bad_identity(fixed, strings):
     assert reason_of(_with_identity(fixed, strings)) == "bad_identity"
 
 
 def test_valid_crafted_identity_decodes():
-    rec = Decoder().decode(_with_identity((0, 0, 4, 0, -1, 1), (b"j" * 128, b"node", b"")))
+    rec = Decoder().decode(_with_identity((0, 0, 4, 0, -1, 1, 9), (b"j" * 128, b"node", b"")))
     assert rec.identity.train_job == "j" * 128
 
 

@@ -4,7 +4,7 @@ One datagram is one record. Records are binary (``struct``), little-endian, vers
 
     header    "SW" | version u8 | kind u8 | identity length u16
     identity  rank i32 | local_rank i32 | world_size i32 | attempt i32 | gpu i32 | pid u32
-              | train_job, node, gpu_uuid (each: length u8 + UTF-8 bytes)
+              | nonce u32 | train_job, node, gpu_uuid (each: length u8 + UTF-8 bytes)
     body      fixed layout per kind (STEP, HEARTBEAT, END), see the ``*_BODY`` structs
 
 Why binary: a rank sends one record per step, and ``json.dumps`` of a small dict alone costs
@@ -22,6 +22,11 @@ The daemon decodes the current version and the one before it (``OLD_VERSION``), 
 daemon can be upgraded first while the ranks of running jobs still speak the earlier release; a
 rank on a newer release than its daemon is rejected (``unknown_version``): upgrade daemons first.
 
+A rank's process is its (pid, nonce): the nonce is drawn at random by each ``init()``, whose
+counters start from 0, because a pid alone does not tell a restart from the process before it
+where the new one gets the same pid (a container restarted in place: a new PID namespace hands
+out the same pids again), nor a second ``init()`` in one process from the first.
+
 Every field is validated; anything the daemon cannot account for (bad magic, unknown version or
 kind, trailing bytes = unknown fields, out-of-range values, label values outside ``LABEL_RE``) is
 rejected with a reason from ``REJECT_REASONS``.
@@ -35,9 +40,9 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"SW"
-VERSION = 3  # 2: the reported_dropped and reported_errors fields; 3: the eval phase
-OLD_VERSION = 2  # still decoded (its records have no eval phase): ranks on an earlier release
-# keep reporting while their node's daemon is upgraded under them
+VERSION = 4  # 2: the reported_dropped and reported_errors fields; 3: the eval phase; 4: the nonce
+OLD_VERSION = 3  # still decoded (its identities have no nonce: read as 0): ranks on an earlier
+# release keep reporting while their node's daemon is upgraded under them
 MAX_DATAGRAM = 2048
 
 KIND_STEP = 1
@@ -77,23 +82,17 @@ REJECT_REASONS = ("too_large", "truncated", "bad_magic", "unknown_version", "unk
                   "identity_conflict")
 
 HEADER = struct.Struct("<2sBBH")
-IDENT_FIXED = struct.Struct("<iiiiiI")
+IDENT_FIXED = struct.Struct("<iiiiiII")
+_OLD_IDENT_FIXED = struct.Struct("<iiiiiI")  # version 3's: no nonce
 _NPH = len(PHASES)
 
 
-def _step_body(phases: int) -> struct.Struct:
-    return struct.Struct(
-        "<qddd" + "d" * phases    # step, wall_time, step_seconds, wait_seconds, phases (this step)
-        + "qdd"                   # collective_sequence, samples, tokens (this step)
-        + "qd" + "d" * phases     # cumulative: steps, step seconds, phase seconds
-        + "dqddqqq"               # slack s, last arrivals, samples, tokens, checkpoints, dropped, errors
-        + "qqB")                  # reported dropped, reported errors, flags
-
-
-STEP_BODY = _step_body(_NPH)
-# version 2's phases: the first 7 of PHASES (no eval; a rank before it reported evaluation as other)
-_OLD_NPH = PHASES.index("eval")
-_OLD_STEP_BODY = _step_body(_OLD_NPH)
+STEP_BODY = struct.Struct(
+    "<qddd" + "d" * _NPH      # step, wall_time, step_seconds, wait_seconds, phases (this step)
+    + "qdd"                   # collective_sequence, samples, tokens (this step)
+    + "qd" + "d" * _NPH       # cumulative: steps, step seconds, phase seconds
+    + "dqddqqq"               # slack s, last arrivals, samples, tokens, checkpoints, dropped, errors
+    + "qqB")                  # reported dropped, reported errors, flags
 SKEW_BODY = struct.Struct("<qd" + "q" * len(SKEW_BUCKETS))  # count, sum, cumulative bucket counts
 # wall, last_step, last_step_wall, phase, elapsed, seq, dropped, errors, reported dropped, reported errors
 HEARTBEAT_BODY = struct.Struct("<dqdBdqqqqq")
@@ -119,12 +118,18 @@ class Identity:
     pid: int
     gpu: int = -1          # -1: unknown / no GPU
     gpu_uuid: str = ""     # "": unknown
+    nonce: int = 0         # drawn at each init() (0: a version 3 rank's)
+
+    @property
+    def process(self) -> tuple[int, int]:
+        """What tells this rank's process (its counters) from another with the same pid."""
+        return self.pid, self.nonce
 
     def encode(self) -> bytes:
         """The identity block, validated. Raises ``ProtocolError`` on a value the daemon would reject."""
         _check_identity(self)
         parts = [IDENT_FIXED.pack(self.rank, self.local_rank, self.world_size, self.attempt,
-                                  self.gpu, self.pid)]
+                                  self.gpu, self.pid, self.nonce)]
         for s in (self.train_job, self.node, self.gpu_uuid):
             b = s.encode()
             parts.append(bytes((len(b),)) + b)
@@ -253,7 +258,7 @@ class Encoder:
 def _check_identity(i: Identity) -> None:
     if not (1 <= i.world_size <= MAX_WORLD and 0 <= i.rank < i.world_size
             and 0 <= i.local_rank < MAX_LOCAL_RANK and 0 <= i.attempt < MAX_ATTEMPT
-            and -1 <= i.gpu < MAX_GPU and i.pid > 0):
+            and -1 <= i.gpu < MAX_GPU and 0 < i.pid < 1 << 32 and 0 <= i.nonce < 1 << 32):
         raise ProtocolError("bad_identity", f"numbers out of range: {i!r}")
     for name, value in (("train_job", i.train_job), ("node", i.node)):
         if not LABEL_RE.fullmatch(value):
@@ -262,11 +267,12 @@ def _check_identity(i: Identity) -> None:
         raise ProtocolError("bad_identity", f"gpu_uuid {i.gpu_uuid[:40]!r} is not a valid label value")
 
 
-def decode_identity(block: bytes) -> Identity:
-    if len(block) < IDENT_FIXED.size:
+def decode_identity(block: bytes, version: int = VERSION) -> Identity:
+    fixed = IDENT_FIXED if version == VERSION else _OLD_IDENT_FIXED
+    if len(block) < fixed.size:
         raise ProtocolError("truncated", "identity block too short")
-    rank, local_rank, world, attempt, gpu, pid = IDENT_FIXED.unpack_from(block)
-    pos = IDENT_FIXED.size
+    rank, local_rank, world, attempt, gpu, pid, *nonce = fixed.unpack_from(block)
+    pos = fixed.size
     strings = []
     for _ in range(3):
         if pos >= len(block):
@@ -283,7 +289,8 @@ def decode_identity(block: bytes) -> Identity:
     if pos != len(block):
         raise ProtocolError("unknown_fields", f"{len(block) - pos} unknown bytes in identity block")
     ident = Identity(train_job=strings[0], attempt=attempt, rank=rank, local_rank=local_rank,
-                     world_size=world, node=strings[1], pid=pid, gpu=gpu, gpu_uuid=strings[2])
+                     world_size=world, node=strings[1], pid=pid, gpu=gpu, gpu_uuid=strings[2],
+                     nonce=nonce[0] if nonce else 0)
     _check_identity(ident)
     return ident
 
@@ -295,19 +302,21 @@ def _check_floats(values, limit: float, what: str) -> None:
 
 
 class Decoder:
-    """Decodes and validates datagrams. Decoded identities are cached by their bytes (bounded)."""
+    """Decodes and validates datagrams. Decoded identities are cached by their bytes (bounded),
+    one cache per version: a block's bytes read as another version's are another identity."""
 
     def __init__(self, identity_cache_size: int = 8192):
-        self._identities: dict[bytes, Identity] = {}
+        self._identities: dict[int, dict[bytes, Identity]] = {VERSION: {}, OLD_VERSION: {}}
         self._cache_size = identity_cache_size
 
-    def _identity(self, block: bytes) -> Identity:
-        ident = self._identities.get(block)
+    def _identity(self, block: bytes, version: int) -> Identity:
+        cache = self._identities[version]
+        ident = cache.get(block)
         if ident is None:
-            ident = decode_identity(block)
-            if len(self._identities) >= self._cache_size:
-                self._identities.clear()
-            self._identities[block] = ident
+            ident = decode_identity(block, version)
+            if len(cache) >= self._cache_size:
+                cache.clear()
+            cache[block] = ident
         return ident
 
     def decode(self, data: bytes) -> Record:
@@ -326,11 +335,11 @@ class Decoder:
         body_at = HEADER.size + ident_len
         if body_at > n:
             raise ProtocolError("truncated", "identity block cut short")
-        ident = self._identity(bytes(data[HEADER.size:body_at]))
+        ident = self._identity(bytes(data[HEADER.size:body_at]), version)
         if kind == KIND_STEP:
-            return self._step(ident, data, body_at, version == VERSION)
+            return self._step(ident, data, body_at)
         if kind == KIND_HEARTBEAT:
-            return self._heartbeat(ident, data, body_at, version == VERSION)
+            return self._heartbeat(ident, data, body_at)
         if kind == KIND_END:
             return self._end(ident, data, body_at)
         raise ProtocolError("unknown_kind", f"kind {kind}")
@@ -344,24 +353,22 @@ class Decoder:
             raise ProtocolError("unknown_fields", f"{len(data) - end - extra} unknown trailing bytes")
         return body.unpack_from(data, at)
 
-    def _step(self, ident: Identity, data: bytes, at: int, current: bool = True) -> StepRecord:
-        body, p = (STEP_BODY, _NPH) if current else (_OLD_STEP_BODY, _OLD_NPH)
-        if len(data) <= at + body.size - 1:
+    def _step(self, ident: Identity, data: bytes, at: int) -> StepRecord:
+        if len(data) <= at + STEP_BODY.size - 1:
             raise ProtocolError("truncated", "record body cut short")
-        flags = data[at + body.size - 1]
+        flags = data[at + STEP_BODY.size - 1]
         if flags & ~(FLAG_EXACT | FLAG_SKEW | FLAG_TOKENS):
             raise ProtocolError("unknown_fields", f"unknown flag bits {flags:#x}")
         extra = SKEW_BODY.size if flags & FLAG_SKEW else 0
-        v = self._fixed(body, data, at, extra)
-        pad = (0.0,) * (_NPH - p)  # an old record's missing phases (eval): none
+        v = self._fixed(STEP_BODY, data, at, extra)
         step, wall, step_s, wait_s = v[0], v[1], v[2], v[3]
-        phases = v[4:4 + p] + pad
-        seq, samples, tokens = v[4 + p:7 + p]
-        c = v[7 + p:]
+        phases = v[4:4 + _NPH]
+        seq, samples, tokens = v[4 + _NPH:7 + _NPH]
+        c = v[7 + _NPH:]
         steps_total, step_s_total = c[0], c[1]
-        phase_totals = c[2:2 + p] + pad
+        phase_totals = c[2:2 + _NPH]
         (slack, last_arr, samples_total, tokens_total, ckpts, dropped, errors, rep_dropped,
-         rep_errors) = c[2 + p:11 + p]
+         rep_errors) = c[2 + _NPH:11 + _NPH]
         if not MIN_WALL <= wall <= MAX_WALL:
             raise ProtocolError("bad_value", f"wall_time {wall!r} is not a plausible unix time")
         _check_floats((step_s, wait_s, *phases), MAX_SECONDS, "durations")
@@ -374,7 +381,7 @@ class Decoder:
             raise ProtocolError("bad_value", "integer field out of range")
         skew = None
         if extra:
-            sv = SKEW_BODY.unpack_from(data, at + body.size)
+            sv = SKEW_BODY.unpack_from(data, at + STEP_BODY.size)
             count, ssum, buckets = sv[0], sv[1], sv[2:]
             _check_floats((ssum,), MAX_TOTAL, "skew sum")
             if count < 0 or any(b < 0 for b in buckets) or any(
@@ -387,13 +394,12 @@ class Decoder:
         return StepRecord(ident, step, wall, step_s, wait_s, phases, seq, samples, tokens, totals,
                           bool(flags & FLAG_EXACT), bool(flags & FLAG_TOKENS), skew)
 
-    def _heartbeat(self, ident: Identity, data: bytes, at: int,
-                   current: bool = True) -> HeartbeatRecord:
+    def _heartbeat(self, ident: Identity, data: bytes, at: int) -> HeartbeatRecord:
         (wall, last_step, last_wall, phase, elapsed, seq, dropped, errors, rep_dropped,
          rep_errors) = self._fixed(HEARTBEAT_BODY, data, at)
         if not MIN_WALL <= wall <= MAX_WALL or not (last_wall == 0 or MIN_WALL <= last_wall <= MAX_WALL):
             raise ProtocolError("bad_value", "wall time is not a plausible unix time")
-        if phase >= (_NPH if current else _OLD_NPH):
+        if phase >= _NPH:
             raise ProtocolError("bad_value", f"phase code {phase}")
         _check_floats((elapsed,), MAX_SECONDS, "phase_elapsed")
         if not (0 <= last_step <= MAX_STEP and 0 <= seq <= MAX_STEP

@@ -105,13 +105,13 @@ class RankState:
         self.seen = now                         # monotonic time of the last record
         # (wall time, reason) of the rank's end record: the rank ended, it was not lost
         self.end: tuple[float, str] | None = None
-        # (pid, attempt) of the process of the same attempt this one took over from: a restart
-        # in place, unless that one speaks again (identity_conflict)
-        self.superseded: tuple[int, int] | None = None
+        # ((pid, nonce), attempt) of the process of the same attempt this one took over from: a
+        # restart in place, unless that one speaks again (identity_conflict)
+        self.superseded: tuple[tuple[int, int], int] | None = None
 
 
 class JobState:
-    __slots__ = ("ranks", "hists", "nodes", "seen", "world_size", "r0_pid", "attempt", "skew",
+    __slots__ = ("ranks", "hists", "nodes", "seen", "world_size", "r0_process", "attempt", "skew",
                  "restarts", "rerun_steps", "checkpoint_seconds", "checkpoints", "max_step",
                  "prev_max_step", "restart_pending")
 
@@ -120,9 +120,10 @@ class JobState:
         self.hists: dict[str, tuple[Histogram, Histogram]] = {}  # node -> (step, sync wait)
         self.nodes: dict[str, int] = {}  # node -> how many of the job's current ranks are on it
         self.seen = now
-        # Job-level, from global rank 0 only (r0_pid is None until rank 0 is heard of).
+        # Job-level, from global rank 0 only (r0_process, its (pid, nonce), is None until rank 0
+        # is heard of).
         self.world_size = 0
-        self.r0_pid: int | None = None
+        self.r0_process: tuple[int, int] | None = None
         self.attempt = 0
         self.skew: SkewHistogram | None = None
         self.restarts = 0
@@ -132,7 +133,7 @@ class JobState:
         self.max_step = -1          # highest step rank 0's current process completed
         self.prev_max_step = -1     # the previous process's highest step, after a process change
         # None: no process change pending; "counted": a restart (higher attempt) waiting for the new
-        # attempt's first step to count re-run steps; "check": a new pid of the same attempt, a
+        # attempt's first step to count re-run steps; "check": a new process of the same attempt, a
         # restart only if its first step goes backwards.
         self.restart_pending: str | None = None
 
@@ -297,7 +298,7 @@ class State:
             if self.n_ranks >= self.config.max_ranks:
                 raise ProtocolError("rank_limit", f"already {self.n_ranks} ranks")
             self.n_ranks += 1
-        elif (ident.pid, ident.attempt) == r.superseded:
+        elif (ident.process, ident.attempt) == r.superseded:
             # The process this one took over from speaks again: both live, the same rank of the
             # same attempt (two runs sharing a job name, or two names the sanitizer made one).
             # Taken in turn, each replaced the other's state: the counters swung between the two
@@ -308,25 +309,26 @@ class State:
                                 f"running, after pid {r.ident.pid} on {r.ident.node} took over as "
                                 f"the same rank: two runs with one job name? The later one is kept")
         elif ident.attempt < r.ident.attempt and (
-                ident.pid == r.ident.pid or not (r.end or now - r.seen > SUPERSEDE_SECONDS)):
+                ident.process == r.ident.process
+                or not (r.end or now - r.seen > SUPERSEDE_SECONDS)):
             return None, job
-        elif ident.pid == r.ident.pid and ident.attempt == r.ident.attempt:
+        elif ident.process == r.ident.process and ident.attempt == r.ident.attempt:
             _move_node(job, r.ident.node, ident.node)
             r.ident = ident  # same process, equal identity decoded anew (cache turnover)
             return r, job
         # A new rank, or a new process / attempt for it: fresh state (counter resets are fine).
         _move_node(job, None if r is None else r.ident.node, ident.node)
-        before = None if r is None else (r.ident.pid, r.ident.attempt)
+        before = None if r is None else (r.ident.process, r.ident.attempt)
         r = job.ranks[ident.rank] = RankState(ident, self.config.window, now)
         r.superseded = before if before is not None and before[1] == ident.attempt else None
         return r, job
 
     def _rank0_identity(self, job: JobState, ident: Identity) -> None:
         job.world_size = ident.world_size
-        if job.r0_pid is None:
-            job.r0_pid, job.attempt = ident.pid, ident.attempt
+        if job.r0_process is None:
+            job.r0_process, job.attempt = ident.process, ident.attempt
             return
-        if ident.pid == job.r0_pid and ident.attempt == job.attempt:
+        if ident.process == job.r0_process and ident.attempt == job.attempt:
             return
         if ident.attempt > job.attempt:
             job.restarts += 1
@@ -336,7 +338,7 @@ class State:
         if job.max_step >= 0:
             job.prev_max_step = job.max_step
         job.max_step = -1
-        job.r0_pid, job.attempt = ident.pid, ident.attempt
+        job.r0_process, job.attempt = ident.process, ident.attempt
         job.skew = None
         job.checkpoint_seconds, job.checkpoints = 0.0, 0
 

@@ -105,4 +105,8 @@ def resolve(*, rank: int | None = None, world_size: int | None = None,
         attempt=attempt_from_env(env) if attempt is None else attempt,
         rank=rank, local_rank=local_rank, world_size=max(world_size, rank + 1),
         node=sanitize(node, "node") if node else node_from_env(env),
-        pid=os.getpid(), gpu=gpu, gpu_uuid=gpu_uuid)
+        pid=os.getpid(), gpu=gpu, gpu_uuid=gpu_uuid,
+        # drawn anew for each monitor, whose counters start from 0: the daemon tells it from the
+        # one before with the same pid (a container restarted in place, init() after shutdown)
+        nonce=int.from_bytes(os.urandom(4), "little"))
+
