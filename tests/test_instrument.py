@@ -1,5 +1,6 @@
 """Unit tests of the rank-side instrumentation (single process; real sockets, real decoder)."""
 
+import json
 import logging
 import os
 import random
@@ -1620,6 +1621,36 @@ def test_zero_code_times_only_the_training_threads_own_saves_as_checkpoint(rx):
     assert evaluation[2] >= 0.2 and data[2] < 0.1, (evaluation, data)
     assert checkpoint[3] == 0 and data[3] >= 0.4, data  # the other thread's save: data
     assert recs[-1].totals.checkpoints == 2  # the nested save is its outer one's: not 3
+
+
+def test_zero_code_times_safetensors_saves_as_checkpoint(rx, tmp_path):
+    """Hugging Face saves with safetensors' ``save_file`` and ``save_model`` (which calls
+    ``save_file``: one save), imported the way it does (``from safetensors.torch import ...``,
+    after ``install()``). Each is ``checkpoint`` in the step it falls in; unpatched, a 32 MB save
+    read as ``data`` (checkpoint 0)."""
+    pytest.importorskip("safetensors")
+    spans = tmp_path / "spans.json"
+    run_zero_code(rx, "from safetensors.torch import save_file, save_model\n"
+                      "model = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "big = torch.nn.Linear(2048, 4096, bias=False)\n"
+                      "spans = []\n"
+                      "for i in range(4):\n"
+                      "    model(torch.randn(5, 8)).sum().backward(); opt.step(); opt.zero_grad()\n"
+                      "    if i in (0, 1):\n"
+                      "        t0 = time.monotonic()\n"
+                      f"        path = {str(tmp_path)!r} + f'/{{i}}.safetensors'\n"
+                      "        save_file(big.state_dict(), path) if i == 0 else save_model(big, path)\n"
+                      "        spans.append(time.monotonic() - t0)\n"
+                      f"open({str(spans)!r}, 'w').write(json.dumps(spans))\n",
+                  imports="import json, time\n")
+    recs = steps(rx, 4)
+    saved = json.loads(spans.read_text())
+    for rec, span in zip(recs[1:3], saved):  # a save after step n's optimizer is step n + 1's
+        assert 0.5 * span <= phase(rec, "checkpoint") <= span, (rec.phase_seconds, span)
+        assert phase(rec, "data") < 0.5 * span, (rec.phase_seconds, span)
+    assert phase(recs[3], "checkpoint") == 0
+    assert recs[-1].totals.checkpoints == 2
 
 
 def test_register_handle_remove_restores_torch_distributed():

@@ -3,8 +3,9 @@
 ``install()`` (run from the ``sitecustomize`` that ``syncwatch-run`` puts on ``PYTHONPATH``)
 waits for the program to import DDP or FSDP and then patches them (``PATCHES``):
 ``DistributedDataParallel.__init__`` and ``forward``, ``FullyShardedDataParallel.__init__`` and
-``forward``, ``fully_shard``, ``GradScaler.step``, and the checkpoint savers ``torch.save`` and
-``torch.distributed.checkpoint``'s ``save`` and ``async_save``. When a model is wrapped with
+``forward``, ``fully_shard``, ``GradScaler.step``, and the checkpoint savers ``torch.save``,
+``torch.distributed.checkpoint``'s ``save`` and ``async_save``, and ``safetensors.torch``'s
+``save_file`` and ``save_model``. When a model is wrapped with
 ``torch.distributed`` initialized (all ranks wrap it, so the side group of the skew exchange can
 be created there):
 
@@ -28,13 +29,14 @@ be created there):
   training forward, is ``eval``, a planned pause like a checkpoint; in train mode (a frozen
   teacher wrapped in DDP) it is ``other``;
 * a save on the training thread once the loop has started (``torch.save``, DCP's ``save`` and
-  the staging part of its ``async_save``) is ``checkpoint``, a planned pause; after it, the
-  phase it interrupted goes on. A save before the first forward is setup, no step's.
+  the staging part of its ``async_save``, safetensors' ``save_file`` and ``save_model``) is
+  ``checkpoint``, a planned pause; after it, the phase it interrupted goes on. A save before
+  the first forward is setup, no step's.
 
-Not visible without the explicit API: tokens, saves by other means (``safetensors``, a thread of
-the script's own), the job's own step numbers (hence re-run steps after a restart), custom
-phases, and steps ended by a second optimizer (its own ``step()`` is ``optimizer``, then
-``data``).
+Not visible without the explicit API: tokens, saves by other means (a file the script writes
+itself, a thread of the script's own, a saver bound by ``from ... import`` before
+``install()`` ran), the job's own step numbers (hence re-run steps after a restart), custom phases,
+and steps ended by a second optimizer (its own ``step()`` is ``optimizer``, then ``data``).
 """
 
 from __future__ import annotations
@@ -381,6 +383,14 @@ def _patch_dcp_module(module) -> None:
         _patch_saver(module, name, ("torch.distributed.checkpoint",))
 
 
+def _patch_safetensors_module(module) -> None:
+    """Hugging Face's ``Trainer`` and ``save_pretrained`` save with these by default: unmarked, a
+    minutes-long save read as ``data``, jitter that held the step CV high as no checkpoint does.
+    ``save_model`` calls ``save_file``: one save."""
+    for name in ("save_file", "save_model"):
+        _patch_saver(module, name, ())
+
+
 _steps: _Steps | None = None
 _stood_down = False  # the script instruments itself: zero-code mode does nothing more
 ATTACHED = "_syncwatch_steps"  # a model's attribute: the _Steps its forward drives
@@ -474,4 +484,5 @@ PATCHES = {  # module -> what patches it once it has executed
     "torch.amp.grad_scaler": _patch_grad_scaler_module,
     "torch.serialization": _patch_torch_save_module,
     "torch.distributed.checkpoint.state_dict_saver": _patch_dcp_module,
+    "safetensors.torch": _patch_safetensors_module,
 }
