@@ -105,7 +105,8 @@ def _diagnose(monkeypatch, capsys, url, ranges, name) -> dict:
 @pytest.mark.parametrize("name", sorted(SCENARIO_MODES))
 def test_scenario_diagnosed_through_prometheus(cluster, name, monkeypatch, capsys):
     d = _diagnose(monkeypatch, capsys, *cluster, name)
-    assert {f["mode"] for f in d["findings"]} == SCENARIO_MODES[name], json.dumps(d["findings"], indent=1)[:3000]
+    modes = {f["mode"] for f in d["findings"]}
+    assert modes == SCENARIO_MODES[name], (modes, json.dumps(d["findings"], indent=1)[:3000])
     assert d["ranks"] == NODES * RANKS_PER_NODE, d["scores"]
     if name == "healthy":
         assert d["verdict"] == "no structural problem found"
