@@ -699,9 +699,10 @@ class Collected:
 
 
 def random_entries(rng, steps):
-    """Entries as the notes and hooks put them: nested phases, DDP marks, collectives, steps."""
-    from syncwatch.instrument.monitor import (COLL, COLL_END, DONE, EXIT, READY, SEQ, STEP,
-                                              SYNCED)
+    """Entries as the notes and hooks put them: nested phases, DDP marks, collectives, backward
+    ends, steps."""
+    from syncwatch.instrument.monitor import (COLL, COLL_END, DONE, ENDED, EXIT, LOADED, READY,
+                                              SEQ, STEP, SYNCED)
     t, out = 0, []
 
     def mark():
@@ -722,7 +723,11 @@ def random_entries(rng, steps):
                 out.extend([(COLL, mark()), (SEQ,), (COLL_END, mark())])
             elif inside < 0.5 and depth < 2:
                 phases(depth + 1)
-            out.append((idx + EXIT, mark()))
+            elif inside < 0.6:  # a backward under no_sync() ended
+                out.append((ENDED, mark()))
+            # backward ends at the next micro-batch's forward (zero-code mode), or at its exit
+            end = LOADED if idx == PHASE_INDEX["backward"] and rng.random() < 0.5 else idx + EXIT
+            out.append((end, mark()))
 
     for _ in range(steps):
         phases(0)
@@ -740,6 +745,7 @@ def test_a_burst_of_entries_replays_as_they_do_one_at_a_time(seed):
     outcomes = []
     for chunk in (1, 7, len(entries)):
         m = Monitor(IDENT, Collected(), heartbeat_seconds=0, flush_seconds=3600)
+        m.mark_backward_ends()  # as zero-code mode does: gradient syncs end backwards too
         for i in range(0, len(entries), chunk):
             m._entries.extend(entries[i:i + chunk])
             m.flush()
@@ -955,6 +961,57 @@ def test_cuda_step_with_two_gradient_syncs_waits_their_sum(rx):
     assert r.step_seconds == pytest.approx(0.019)
 
 
+@pytest.mark.parametrize("last", ["synced", "no_sync"])
+def test_cuda_loading_between_micro_batches_is_data_and_its_events_are_recycled(rx, last):
+    """Zero-code mode's gradient accumulation on the device: four micro-batches a step, the
+    last three loaded (5 ms) after the backward before them; the last backward synchronized or
+    not (every backward under ``no_sync()``), then clipped (1 ms). The loadings are ``data``, the
+    clipping ``backward``, and the marks of the backwards' ends, used or not, go back to the
+    pool."""
+    dev = FakeStream()
+    m = make_monitor(rx, clock=CudaEventClock(lambda: FakeEvent(dev)))
+    m.mark_backward_ends()
+    backward = m.phase("backward")
+    for step in range(20):
+        for micro in range(4):
+            with m.phase("forward"):
+                dev.launch(2)
+            backward.__enter__()
+            dev.launch(3)
+            if micro < 3:
+                m.backward_ended()
+                dev.launch(5)                      # the next micro-batch's loading
+                m.next_micro_batch()
+            elif last == "synced":
+                m.bucket_ready()
+                dev.launch(7)
+                m.grads_synced()
+            else:
+                m.backward_ended()
+        dev.launch(1)                              # clipping
+        backward.__exit__(None, None, None)
+        with m.phase("optimizer"):
+            dev.launch(4)
+        m.step(8)
+        dev.run()
+        m.flush()
+        if step == 1:
+            created = FakeEvent.created
+    assert FakeEvent.created == created            # the pool's events serve every mark
+    m.shutdown()
+    recs = steps(rx, 20)
+    sync = 0.007 if last == "synced" else 0.0
+    for r in recs[1:]:
+        assert phase(r, "data") == pytest.approx(0.015)
+        assert phase(r, "forward") == pytest.approx(0.008)
+        assert phase(r, "backward") == pytest.approx(0.013)
+        assert phase(r, "sync") == pytest.approx(sync)
+        assert r.step_seconds == pytest.approx(0.040 + sync)
+    assert m.errors == 0 and not m._shared
+    pool = m.clock._pool
+    assert len({id(ev) for ev in pool}) == len(pool)
+
+
 class MovedClock(HostClock):
     """A host clock the test moves: a mark is its ``now``."""
 
@@ -968,12 +1025,14 @@ class MovedClock(HostClock):
 @pytest.mark.parametrize("device", ["host", "cuda"])
 def test_random_phase_sequences_count_every_moment_once(rx, device):
     """Phases entered and left in any order (nested, left open, ended from outside them, across
-    a step's end), blocking collectives and DDP gradient syncs inside and outside them, the
-    records thread replaying at any point: each moment in a phase is that phase's time once,
-    each wait is ``sync`` once, a step's gradient wait is its syncs' last buckets, and a step's
-    phases fit in the step. Against a reference that follows the rules by hand (what comes
-    before the first phase is no step's unless a step ends first). It found the waits of a step
-    ending inside a phase, and a wrapped bucket's wait before a phase began, counted twice."""
+    a step's end), blocking collectives and DDP gradient syncs inside and outside them, backward
+    ends and next micro-batches' forwards (gradient accumulation in zero-code mode: ``backward``
+    since the latest backward ended is ``data``), the records thread replaying at any point:
+    each moment in a phase is that phase's time once, each wait is ``sync`` once, a step's
+    gradient wait is its syncs' last buckets, and a step's phases fit in the step. Against a
+    reference that follows the rules by hand (what comes before the first phase is no step's
+    unless a step ends first). It found the waits of a step ending inside a phase, and a wrapped
+    bucket's wait before a phase began, counted twice."""
     unit = 1e-9 if device == "host" else 1e-3   # ns on the host clock, ms of device time
     for seed in range(150):
         rng = random.Random(seed)
@@ -989,30 +1048,79 @@ def test_random_phase_sequences_count_every_moment_once(rx, device):
         rx.records.clear()
         m = make_monitor(rx, clock=clock, flush_seconds=60)
         wrapped = rng.random() < 0.5  # buckets through ddp_hook_wrapper, or hook-free syncs
+        m.mark_backward_ends()
         truth = dict.fromkeys(PHASE_INDEX, 0)
         stack, begun, before, before_waits = [], False, 0, []
         waits, step_waits = [], []  # each step's gradient waits
+        # the time of the innermost phase since the latest backward ended, if one ended since
+        # the last phase boundary (a phase's start or end, a step's end), else None
+        tail = None
+
+        def elapse(dt):  # in the innermost phase
+            nonlocal tail
+            advance(dt)
+            if stack:
+                truth[stack[-1]] += dt
+                if tail is not None:
+                    tail += dt
+
+        def next_micro_batch():  # its forward (zero-code mode): backward ends
+            nonlocal tail
+            m.next_micro_batch()
+            if "backward" in stack:
+                k = max(i for i, name in enumerate(stack) if name == "backward")
+                if k == len(stack) - 1 and tail is not None:  # since it ended: loading
+                    truth["backward"] -= tail
+                    truth["data"] += tail
+                del stack[k:]
+            tail = None
+
+        def end_step():
+            nonlocal begun, before, before_waits, step_waits, tail
+            truth["sync"] += before      # a step before any phase: it runs from init()
+            waits.append(sum(step_waits + before_waits))
+            begun, before, before_waits, step_waits = True, 0, [], []
+            m.step(1)
+            tail = None
+
+        def backward_ended():  # often followed by the next micro-batch's loading and forward
+            nonlocal tail
+            tail = 0
+            r = rng.random()
+            if r < 0.5:
+                elapse(rng.randrange(1, 10**6))
+                if r < 0.1:  # a step's end between: what ended before is the last step's
+                    end_step()
+                next_micro_batch()
+
         for _ in range(rng.randrange(5, 60)):
             r = rng.random()
             if r < 0.3:
                 name = rng.choice(["data", "forward", "backward", "optimizer", "checkpoint",
-                                   "eval", "mine"])
+                                   "eval", "mine", "backward", "backward"])  # micro-batches'
                 stack.append(name if name in PHASE_INDEX else "other")
                 m.phase(name).__enter__()
                 begun, before, before_waits = True, 0, []  # the setup before it: no step's
+                tail = None
             elif r < 0.5 and stack:
                 k = len(stack) - 1 if rng.random() < 0.85 else rng.randrange(len(stack))
                 k = max(i for i, name in enumerate(stack) if name == stack[k])  # the innermost
                 m.phase(stack[k]).__exit__(None, None, None)                  # of its name
                 del stack[k:]
-            elif r < 0.58:
+                tail = None
+            elif r < 0.54:  # a backward under no_sync() ended
+                m.backward_ended()
+                backward_ended()
+            elif r < 0.6:
+                next_micro_batch()
+            elif r < 0.68:
                 dt = rng.randrange(1, 10**6)
                 m.timed_collective(advance, (dt,), {}, async_index=1)
                 if begun:
                     truth["sync"] += dt
                 else:
                     before += dt
-            elif r < 0.64:  # a backward's buckets: the last one's wait is the sync's
+            elif r < 0.74:  # a backward's buckets: the last one's wait is the sync's
                 backward = object()
                 for last in [False] * rng.randrange(3) + [True]:
                     m.bucket_ready(1, backward if wrapped else None)
@@ -1021,6 +1129,8 @@ def test_random_phase_sequences_count_every_moment_once(rx, device):
                     if not last:
                         if stack:          # an earlier bucket's all-reduce overlaps compute
                             truth[stack[-1]] += dt
+                            if tail is not None:
+                                tail += dt
                     elif begun:
                         truth["sync"] += dt
                         step_waits.append(dt)
@@ -1031,16 +1141,11 @@ def test_random_phase_sequences_count_every_moment_once(rx, device):
                         m.bucket_done()
                 if not wrapped:
                     m.grads_synced()
-            elif r < 0.7:
-                truth["sync"] += before      # a step before any phase: it runs from init()
-                waits.append(sum(step_waits + before_waits))
-                begun, before, before_waits, step_waits = True, 0, [], []
-                m.step(1)
+                    backward_ended()  # it ended there
+            elif r < 0.8:
+                end_step()
             else:
-                dt = rng.randrange(1, 10**6)
-                advance(dt)
-                if stack:
-                    truth[stack[-1]] += dt
+                elapse(rng.randrange(1, 10**6))
             if rng.random() < 0.2:
                 if device == "cuda" and rng.random() < 0.7:
                     dev.run()

@@ -7,7 +7,8 @@ Two halves, so that the training thread does as little as possible:
 
 * **The hot path** (the training thread; the autograd and communication threads for the DDP
   marks) only appends an *entry* — a code and a clock mark in a tuple — to a deque: a phase's
-  start and end, a collective's start and end, gradients ready and synchronized, a step's end.
+  start and end, a collective's start and end, gradients ready and synchronized, a backward's
+  end, a step's end.
   ``deque.append`` is atomic in CPython: no locks, no syscalls, no allocation beyond the tuple.
   Phases, ``step()`` and the "synchronized" mark are ``notes.Notes`` objects, in C where built.
 * **The records thread** wakes every ``flush_seconds`` (0.2 s), replays the entries into step
@@ -40,6 +41,8 @@ from .notes import Notes
 log = logging.getLogger("syncwatch.instrument")
 
 SYNC = PHASE_INDEX["sync"]
+DATA = PHASE_INDEX["data"]
+BACKWARD = PHASE_INDEX["backward"]
 OTHER = PHASE_INDEX["other"]
 CHECKPOINT = PHASE_INDEX["checkpoint"]
 PAUSED = tuple(PHASE_INDEX[name] for name in PAUSES)
@@ -61,10 +64,12 @@ MAX_NEW_ATTEMPTS = 16
 
 # Entry codes. A phase's start is its index, its end the index + EXIT. Layouts:
 #   (phase, mark) (phase + EXIT, mark) (READY, mark, collectives[, backward]) (DONE, mark)
-#   (SYNCED, mark)
+#   (SYNCED, mark) (ENDED, mark) (LOADED, mark)
 #   (COLL, mark) (COLL_END, mark) (SEQ,) (STEP, mark, wall, samples, tokens, step number | None)
+# ENDED: a backward ended (one under no_sync(); a synchronized one's end is its SYNCED).
+# LOADED: ``backward`` ends, its time since the latest backward's end being ``data``.
 EXIT = 8
-STEP, READY, DONE, COLL, COLL_END, SEQ, SYNCED = 16, 17, 18, 19, 20, 21, 22
+STEP, READY, DONE, COLL, COLL_END, SEQ, SYNCED, ENDED, LOADED = 16, 17, 18, 19, 20, 21, 22, 23, 24
 _SEQ_ENTRY = (SEQ,)
 
 
@@ -116,6 +121,15 @@ class Monitor:
         after DDP's finalize): that backward's wait ends here. Arguments ignored."""
         self.relays: dict = {}
         """The hook-free gradient wait's first callbacks, one per watched model (``hooks``)."""
+        self.next_micro_batch = self._notes.mark(LOADED)
+        """Zero-code mode's end of ``backward`` at a forward with no optimizer step since the
+        one before (gradient accumulation's next micro-batch): its time since the latest
+        backward ended (a hook-free gradient sync, or ``backward_ended``) is ``data``, that
+        micro-batch's loading. Arguments ignored."""
+        self.backward_ended = None
+        """Where set (``mark_backward_ends``: zero-code mode), a mark that the hook-free path
+        queues as final callback of a backward under ``no_sync()``, whose end nothing else
+        marks; the replay then also takes a gradient sync's end as its backward's."""
         # the replay's state: only the records thread (or flush()) touches it, under _lock
         self._lock = threading.Lock()
         # open phases: (index, start mark, sync index, host ns); the start of the current span,
@@ -129,6 +143,9 @@ class Monitor:
         self._ready = None       # mark when the (latest bucket's) gradients were ready
         self._backward = None    # the latest wrapped bucket's autograd graph task
         self._done = None        # mark when the (latest bucket's) collective was done
+        # the latest backward's end since the last phase boundary, as (mark, sync index, owned:
+        # an ENDED mark, which nothing else releases; else a gradient sync's end)
+        self._ended = None
         self._step_start = self.clock.mark()  # the first step's: moved to its first phase
         self._begun = False      # a phase began or a step ended: the first step has its start
         self._first_start = None  # the first step's start where it is its first phase's start
@@ -172,6 +189,13 @@ class Monitor:
             self._put((READY, self._mark(), collectives, backward))
         except Exception:
             self._error()
+
+    def mark_backward_ends(self) -> None:
+        """Have the backwards under ``no_sync()`` marked (``backward_ended``), and the replay
+        note where each backward ended (those, and the synchronized ones' ``grads_synced``), so
+        that ``next_micro_batch`` takes the loading after one as ``data``. Zero-code mode's
+        only: a script using the API times its own phases, and would pay for nothing."""
+        self.backward_ended = self._notes.mark(ENDED)
 
     def bucket_done_then(self, fut):
         """``.then`` callback of a bucket's future: mark it done, pass its value on."""
@@ -228,6 +252,8 @@ class Monitor:
                     if code < EXIT:
                         if not self._begun:
                             self._begin(e[1])
+                        if self._ended is not None:
+                            self._forget_ended()
                         if self._done is not None:  # a gradient wait ended before: not this
                             self._close_ddp()       # phase's time (nor an enclosing one's)
                         if stack:
@@ -283,6 +309,14 @@ class Monitor:
             self._done = e[1]
             self._ddp_out += 1
             self._close_ddp()
+            if self._done is None and self.backward_ended is not None:
+                self._note_ended(e[1], len(self._sync), False)  # where that backward ended
+        elif code == ENDED:
+            if self._done is not None:  # a gradient wait that ended before: backward's
+                self._close_ddp()
+            self._note_ended(e[1], len(self._sync), True)
+        elif code == LOADED:
+            self._loaded(e[1], host)
         elif code == COLL:
             self.collective_sequence += 1
             self._sync_begins(host)
@@ -296,6 +330,40 @@ class Monitor:
             self.collective_sequence += 1
         elif code == STEP:
             self._end_step(e, host)
+
+    def _note_ended(self, mark, n, owned) -> None:
+        if self._ended is not None:
+            self._forget_ended()
+        self._ended = (mark, n, owned)
+
+    def _forget_ended(self) -> None:
+        """A phase boundary or a step's end: the latest backward's end no longer ends a span."""
+        mark, _, owned = self._ended
+        self._ended = None
+        if owned:
+            self.clock.release(mark)
+
+    def _loaded(self, end, host) -> None:
+        """``backward`` ends at ``end`` (``next_micro_batch``). Where a backward ended within its
+        last span, that span ends there, and the rest, until ``end``, is ``data``: the next
+        micro-batch's loading, where without accumulation the loading comes after the
+        optimizer's step. Ends like backward's exit otherwise (no backward since the forward:
+        a second model's forward in the same step)."""
+        if self._done is not None:
+            self._close_ddp()
+        stack, ended = self._stack, self._ended
+        if ended is None or not stack or stack[-1][0] != BACKWARD:
+            self._end_phase(BACKWARD, end, host)
+            return
+        self._ended = None
+        mark, n, owned = ended
+        _, start, lo, h = stack[-1]
+        self._spans.append((BACKWARD, start, mark, lo, n))
+        stack[-1] = (DATA, mark, n, h)
+        self._share(mark)  # it ends backward's span and starts data's
+        if not owned:
+            self._share(mark)  # and a gradient wait, in the step's sync
+        self._end_phase(DATA, end, host)
 
     def _sync_begins(self, host) -> None:
         if not self.in_sync():
@@ -351,6 +419,8 @@ class Monitor:
     def _end_phase(self, idx: int, end, host) -> None:
         if self._done is not None:
             self._close_ddp()
+        if self._ended is not None:
+            self._forget_ended()
         stack = self._stack
         for k in range(len(stack) - 1, -1, -1):
             if stack[k][0] == idx:
@@ -371,6 +441,8 @@ class Monitor:
         _, end, wall, samples, tokens, number = e
         self._begun = True
         self._close_ddp()
+        if self._ended is not None:
+            self._forget_ended()
         # no gradient sync spans a step's end: one begun and never ended raised in DDP's
         # finalize (the script caught it), and would read "sync" in every heartbeat from now on
         self._ddp_out = self._ddp_in
