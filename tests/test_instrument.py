@@ -1623,13 +1623,14 @@ ZERO_CODE_PREAMBLE = ("from syncwatch.instrument import auto\n"
                       "world_size=1)\n")
 
 
-def run_zero_code(rx, script: str, imports: str = "") -> None:
+def run_zero_code(rx, script: str, imports: str = "") -> str:
     """Run ``script`` as one rank under zero-code mode (``imports`` first, before syncwatch
-    patches anything), reporting to ``rx``; assert it succeeded."""
+    patches anything), reporting to ``rx``; assert it succeeded, return what it printed."""
     out = subprocess.run([sys.executable, "-c", imports + ZERO_CODE_PREAMBLE + script],
                          capture_output=True, text=True,
                          env=subprocess_env(SYNCWATCH_SOCKET=rx.path), timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
 
 
 def test_zero_code_counts_the_steps_and_samples_of_a_second_run_in_the_same_process(rx):
@@ -1687,6 +1688,68 @@ def test_zero_code_times_a_second_optimizer_s_step_and_the_loading_after_it(rx):
     for r in recs[1:]:
         assert phase(r, "data") >= 0.1 and phase(r, "backward") < 0.1, r.phase_seconds
         assert sum(r.phase_seconds) <= r.step_seconds + 1e-6
+
+
+# Four micro-batches per optimizer step, each loaded (a 20 ms sleep) before its forward, and a
+# slow gradient clipping (30 ms) after the last backward: 4 steps with the first three
+# micro-batches under no_sync(), then 4 with every backward synchronized. The script measures,
+# per step, what each phase must hold at least (the sleeps inside it) and at most (the wall
+# time of the statements its time can come from): bounds measured, not margins fixed, on a
+# loaded machine.
+ACCUMULATION = """\
+model = DistributedDataParallel(torch.nn.Linear(8, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+clock = time.perf_counter
+before_step = None  # just before the previous step's opt.step(): its end is after this
+for no_sync in (True, False):
+    for step in range(4):
+        loading = data_hi = clipping = backward_hi = 0.0
+        for i in range(4):
+            t0 = clock()
+            time.sleep(0.02)                           # this micro-batch's loading
+            t1 = clock()
+            sync = i == 3 or not no_sync
+            with contextlib.nullcontext() if sync else model.no_sync():
+                out = model(torch.randn(5, 8))
+                t2 = clock()
+                if i or before_step:  # data: from the backward (or step) before to forward
+                    loading += t1 - t0
+                    data_hi += t2 - (before_backward if i else before_step)
+                before_backward = clock()
+                out.pow(2).sum().backward()
+            t3 = clock()
+            if i < 3:         # backward: from the end of forward to the end of backward
+                backward_hi += t3 - t1
+        t4 = clock()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        time.sleep(0.03)                               # a slow clipping
+        clipping = clock() - t4
+        before_step = clock()
+        opt.step()
+        backward_hi += clock() - t1                    # the last micro-batch's, with clipping
+        opt.zero_grad()
+        print(json.dumps(dict(loading=loading, data_hi=data_hi, clipping=clipping,
+                              backward_hi=backward_hi)))
+"""
+
+
+def test_zero_code_times_the_loading_between_micro_batches_as_data(rx):
+    """Gradient accumulation: what comes between a micro-batch's backward and the next
+    micro-batch's forward (its loading) is ``data``, whether DDP synchronizes each backward or
+    not (``no_sync()``); what comes between the last backward and the optimizer's step
+    (gradient clipping) stays ``backward``. Nothing marked the end of a backward, and the three
+    loadings between micro-batches read as ``backward``: 0.092 s of it, 0.020 s of ``data``,
+    for 0.080 s of loading a step."""
+    out = run_zero_code(rx, ACCUMULATION, imports="import contextlib, json, time\n")
+    measured = [json.loads(line) for line in out.splitlines()]
+    recs = steps(rx, 8)
+    assert [r.samples for r in recs] == [20.0] * 8
+    for r, got in zip(recs, measured):
+        data, backward = phase(r, "data"), phase(r, "backward")
+        assert got["loading"] <= data <= got["data_hi"], (r.step, data, got)
+        assert got["clipping"] <= backward <= got["backward_hi"], (r.step, backward, got)
+        assert sum(r.phase_seconds) <= r.step_seconds + 1e-6, r.phase_seconds
+        assert r.totals.internal_errors == 0
 
 
 def test_zero_code_times_only_the_training_threads_own_saves_as_checkpoint(rx):

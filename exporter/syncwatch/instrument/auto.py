@@ -20,6 +20,15 @@ be created there):
   optimizer step (loss, backward, gradient clipping), ``data`` = from the optimizer step to the
   next forward (loading, zero_grad, host-to-device copies); ``sync`` = the measured collective
   waits, taken out of the others;
+* with gradient accumulation (several forwards and backwards a step), what comes between the end
+  of a DDP model's backward and the next forward of the step (the next micro-batch's loading)
+  is ``data`` too, and what comes after the last backward until the optimizer step (clipping,
+  unscaling) stays ``backward``: the hook-free gradient wait marks where each backward ends (a
+  synchronized one's final callback, and under ``no_sync()`` one final callback of its own),
+  and a forward with no optimizer step since the one before ends ``backward`` with
+  ``Monitor.next_micro_batch``, from which the records thread takes the time since the latest
+  backward's end as ``data`` (this thread does not know where that was). A step without
+  accumulation runs one comparison of it, at its forward;
 * a step ends after each ``step()`` of the first optimizer that steps, or a ``GradScaler.step``
   of it that skipped ``step()`` (inf or NaN gradients); samples = the batch dimension of the
   first tensor given to forward (``batch_size``), summed over the step's forwards of the first
@@ -36,7 +45,9 @@ be created there):
 Not visible without the explicit API: tokens, saves by other means (a file the script writes
 itself, a thread of the script's own, a saver bound by ``from ... import`` before
 ``install()`` ran), the job's own step numbers (hence re-run steps after a restart), custom phases,
-and steps ended by a second optimizer (its own ``step()`` is ``optimizer``, then ``data``).
+steps ended by a second optimizer (its own ``step()`` is ``optimizer``, then ``data``), and the
+loading between an FSDP model's micro-batches (nothing marks where its backward ends: it is
+``backward``).
 """
 
 from __future__ import annotations
@@ -174,6 +185,8 @@ class _Steps:
         self.m = monitor
         self.grad_enabled = grad_enabled  # torch.is_grad_enabled
         self.cur = None
+        self.backward = monitor.phase("backward")
+        monitor.mark_backward_ends()  # the hook-free path marks where a no_sync() backward ends
         # weak references: once the script drops them (a sweep, a cross-validation, a retry in
         # the same process), the next optimizer to step and model to run take over; held by
         # id, the new run's steps never ended and its samples were never counted
@@ -214,6 +227,13 @@ class _Steps:
                 # closure's every evaluation after its first (LBFGS: max_iter of them a step)
                 self.samples += batch_size(args, kwargs)
                 self.step_counted = self.in_step
+            if self.cur is self.backward and not self.in_step:
+                # a forward with no optimizer step since the last one: with gradient
+                # accumulation, the next micro-batch, loaded since the backward ended; the
+                # records thread knows where that was, this thread does not (LBFGS's update
+                # between its closure's evaluations, in_step, stays backward)
+                self.cur = None
+                self.m.next_micro_batch()
             self.switch("forward")
         except Exception:
             self.m._error()
@@ -261,10 +281,13 @@ class _Steps:
 
     def stop(self) -> None:
         """Stop driving the phases: the current one ends, the optimizer hooks go, and every
-        other hook finds ``m`` (None) not the current monitor and does nothing."""
+        other hook finds ``m`` (None) not the current monitor and does nothing. The monitor
+        marks no more backward ends (a script that calls ``init()`` itself goes on with it)."""
         self.switch(None)
         for handle in self.hooks:
             handle.remove()
+        if self.m is not None:  # stopped once already: a second init() of the script's
+            self.m.backward_ended = None
         self.m = None
 
     def save_begin(self):

@@ -91,8 +91,10 @@ def watch_gradients(model) -> Handle:
     accumulator, so our first callback is still queued before DDP's ``finalize_backward``. Like
     the wrapper, which counts each bucket's hook, a synchronized backward advances the
     collective sequence by DDP's bucket count (its all-reduces). A backward under
-    ``model.no_sync()`` synchronizes nothing and is not measured. A model that is already
-    watched is left as it is."""
+    ``model.no_sync()`` synchronizes nothing and is not measured; where the monitor marks
+    backward ends (``Monitor.backward_ended``: zero-code mode, for gradient accumulation's
+    loading between micro-batches) the hook queues that mark as its one final callback. A model
+    that is already watched is left as it is."""
     import torch
     from torch.autograd import Variable
     from torch.nn.parallel import DistributedDataParallel
@@ -134,14 +136,20 @@ def watch_gradients(model) -> Handle:
 
     def gradient_accumulated(param):
         m, model = _state.monitor, ddp()
-        if m is None or model is None or not model.require_backward_grad_sync:
+        if m is None or model is None:
             return  # model None: the DDP is gone, its module trained on (wrapped anew, or alone)
+        synced = model.require_backward_grad_sync
+        if not synced and m.backward_ended is None:
+            return  # no_sync(): nothing to measure, nor (the explicit API's) to mark
         try:
             if watched > 1:  # with one watched parameter, this runs once per backward
                 task = task_id()
                 if task == last_task[0]:
                     return
                 last_task[0] = task
+            if not synced:  # no_sync(): no wait; its end is marked (zero-code mode)
+                queue(m.backward_ended)
+                return
             if buckets[1] < BUCKET_COUNT_READS:
                 queue(gradients_ready)
                 return
