@@ -18,7 +18,10 @@ symbols, as pyenv and python.org builds do). Arms:
 * ``full``: and the model's gradient wait is measured (hook-free);
 * ``opt``: ``base`` followed by ``zero_grad()`` and an SGD ``step()``, the baseline of
 * ``auto``: the same step under zero-code mode (what ``syncwatch-run`` installs: DDP's patched
-  ``forward``, optimizer hooks, the hook-free gradient wait and the collective wrappers).
+  ``forward``, optimizer hooks, the hook-free gradient wait and the collective wrappers);
+* ``opt_accum`` and ``auto_accum``: ``opt`` and ``auto`` with gradient accumulation, 4
+  micro-batches a step, the first 3 under ``no_sync()`` (zero-code mode marks where each of
+  those backwards ends and takes the loading after it as ``data``).
 
 ``noop``, ``calls`` and ``full`` run with the C notes and again with ``SYNCWATCH_PURE_PYTHON=1``.
 Printed: instructions per step, and over ``base``. Instructions are not time: after a backward
@@ -36,7 +39,9 @@ import sys
 
 HERE = os.path.abspath(__file__)
 ARMS = [("base", ""), ("noop", "C"), ("noop", "Python"), ("calls", "C"), ("calls", "Python"),
-        ("full", "C"), ("full", "Python"), ("opt", ""), ("auto", "C")]
+        ("full", "C"), ("full", "Python"), ("opt", ""), ("auto", "C"), ("opt_accum", ""),
+        ("auto_accum", "C")]
+MICRO_BATCHES = 4  # a step of the _accum arms
 WARMUP = 20
 
 
@@ -56,7 +61,7 @@ def run_arm(arm: str, steps: int) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if arm == "auto":  # as syncwatch-run's sitecustomize does; the model's __init__ attaches it
+    if arm.startswith("auto"):  # as syncwatch-run's sitecustomize does; the model attaches it
         os.environ.update(SYNCWATCH_SOCKET=os.path.join(os.path.dirname(HERE), "absent.sock"),
                           SYNCWATCH_JOB="bench", SYNCWATCH_HEARTBEAT="0")
         auto.install()
@@ -64,15 +69,15 @@ def run_arm(arm: str, steps: int) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(2, 4)
     monitor = _state.monitor
-    if arm not in ("base", "opt", "auto"):
+    with_opt = arm in ("opt", "auto", "opt_accum", "auto_accum")
+    if not with_opt and arm != "base":
         monitor = Monitor(Identity("bench", 0, 0, 0, 4, "n1", os.getpid()),
                           Sender(os.path.join(os.path.dirname(HERE), "absent.sock")),
                           heartbeat_seconds=0)
         _state.set_monitor(None if arm == "noop" else monitor)
     if arm == "full":
         watch_gradients(model)
-    step_fn = hot.plain_step if arm in ("base", "opt", "auto") else hot.one_step
-    with_opt = arm in ("opt", "auto")
+    step_fn = hot.plain_step if with_opt or arm == "base" else hot.one_step
 
     def step(_):
         step_fn(model, x)
@@ -80,15 +85,25 @@ def run_arm(arm: str, steps: int) -> None:
             opt.step()
             opt.zero_grad()
 
+    def accum_step(_):
+        for _ in range(MICRO_BATCHES - 1):
+            with model.no_sync():
+                step_fn(model, x)
+        step_fn(model, x)
+        opt.step()
+        opt.zero_grad()
+
+    run = accum_step if arm.endswith("_accum") else step
     for i in range(WARMUP):
-        step(i)
-    collections.deque(maxlen=0).extend(map(step, range(steps)))  # the counted steps
+        run(i)
+    collections.deque(maxlen=0).extend(map(run, range(steps)))  # the counted steps
     if monitor is not None:
         _state.set_monitor(None)
         monitor.flush()
-        assert arm not in ("full", "auto") or monitor.collective_sequence >= steps, \
+        assert arm not in ("full", "auto", "auto_accum") or monitor.collective_sequence >= steps, \
             "no gradient wait measured"
-        assert arm != "auto" or monitor.last_step >= steps, "zero-code mode ended no step"
+        assert not arm.startswith("auto") or monitor.last_step >= steps, \
+            "zero-code mode ended no step"
     print(f"notes: {notes.IMPLEMENTATION}", flush=True)
     os._exit(0)  # no teardown: nothing after the counted steps matters
 
@@ -134,6 +149,10 @@ def main():
     opt = per[("opt", "")]
     print(f"zero-code mode (syncwatch-run): +{per[('auto', 'C')] - opt:,.0f} per step over the "
           f"same step with an SGD step ({opt:,.0f})")
+    accum = per[("opt_accum", "")]
+    print(f"with gradient accumulation ({MICRO_BATCHES} micro-batches, {MICRO_BATCHES - 1} under "
+          f"no_sync()): +{per[('auto_accum', 'C')] - accum:,.0f} per step over the same step "
+          f"({accum:,.0f})")
 
 
 if __name__ == "__main__":
