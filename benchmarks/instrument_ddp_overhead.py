@@ -225,7 +225,7 @@ def rank_main(a):
                   f"{sum(flushed) / (len(flushed) * a.block_steps) * 1e6:.1f} us CPU per step on rank 0")
         if ex: print(f"skew exchange (K={a.k}): {ex.windows_done} windows, "
               f"{ex.seconds / max(ex.windows_done, 1) * 1e3:.2f} ms each in its own thread, "
-              f"payload 2 x {8 * a.k} bytes per rank")
+              f"payload 2 x {8 * (a.k + 1)} bytes per rank (K waits and the median step time)")
         for arm in ("plain", "inst"):
             busy, idle = step_times[arm][True], step_times[arm][False]
             if busy:
