@@ -109,4 +109,3 @@ def resolve(*, rank: int | None = None, world_size: int | None = None,
         # drawn anew for each monitor, whose counters start from 0: the daemon tells it from the
         # one before with the same pid (a container restarted in place, init() after shutdown)
         nonce=int.from_bytes(os.urandom(4), "little"))
-
