@@ -3,7 +3,8 @@
 ``install()`` (run from the ``sitecustomize`` that ``syncwatch-run`` puts on ``PYTHONPATH``)
 waits for the program to import DDP or FSDP and then patches them (``PATCHES``):
 ``DistributedDataParallel.__init__`` and ``forward``, ``FullyShardedDataParallel.__init__`` and
-``forward``, ``fully_shard``, ``GradScaler.step``, and the checkpoint savers ``torch.save``,
+``forward``, ``fully_shard``, the end-of-backward callbacks of both FSDPs,
+``GradScaler.step``, and the checkpoint savers ``torch.save``,
 ``torch.distributed.checkpoint``'s ``save`` and ``async_save``, and ``safetensors.torch``'s
 ``save_file`` and ``save_model``. When a model is wrapped with
 ``torch.distributed`` initialized (all ranks wrap it, so the side group of the skew exchange can
@@ -23,9 +24,9 @@ be created there):
 * with gradient accumulation (several forwards and backwards a step), what comes between the end
   of a DDP model's backward and the next forward of the step (the next micro-batch's loading)
   is ``data`` too, and what comes after the last backward until the optimizer step (clipping,
-  unscaling) stays ``backward``: the hook-free gradient wait marks where each backward ends (a
-  synchronized one's final callback, and under ``no_sync()`` one final callback of its own),
-  and a forward with no optimizer step since the one before ends ``backward`` with
+  unscaling) stays ``backward``: the hook-free gradient wait marks where each DDP backward ends
+  (a synchronized one's final callback, and under ``no_sync()`` one final callback of its own),
+  FSDP's end-of-backward callback where each FSDP backward ends, and a forward with no optimizer step since the one before ends ``backward`` with
   ``Monitor.next_micro_batch``, from which the records thread takes the time since the latest
   backward's end as ``data`` (this thread does not know where that was). A step without
   accumulation runs one comparison of it, at its forward;
@@ -45,9 +46,7 @@ be created there):
 Not visible without the explicit API: tokens, saves by other means (a file the script writes
 itself, a thread of the script's own, a saver bound by ``from ... import`` before
 ``install()`` ran), the job's own step numbers (hence re-run steps after a restart), custom phases,
-steps ended by a second optimizer (its own ``step()`` is ``optimizer``, then ``data``), and the
-loading between an FSDP model's micro-batches (nothing marks where its backward ends: it is
-``backward``).
+and steps ended by a second optimizer (its own ``step()`` is ``optimizer``, then ``data``).
 """
 
 from __future__ import annotations
@@ -64,12 +63,17 @@ from . import _state
 
 log = logging.getLogger("syncwatch.instrument")
 
+
 def install() -> None:
-    """Patch DDP and FSDP now where imported, else as soon as they are. Never raises."""
-    try:
-        for name, patch in PATCHES.items():
-            if name in sys.modules:
+    """Patch DDP and FSDP now where imported, else as soon as they are. Never raises; a patch
+    that fails (a torch that moved what it wraps) leaves the others in place."""
+    for name, patch in PATCHES.items():
+        if name in sys.modules:
+            try:
                 patch(sys.modules[name])
+            except Exception:
+                log.warning("syncwatch: could not patch %s", name, exc_info=True)
+    try:
         if set(PATCHES) - set(sys.modules) and not any(isinstance(f, _Finder)
                                                        for f in sys.meta_path):
             sys.meta_path.insert(0, _Finder())
@@ -160,6 +164,39 @@ def _patch_fully_shard_module(module) -> None:
 
     _replace(module, "fully_shard", orig, fully_shard,
              ("torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp"))
+
+
+def _patch_fsdp_state_module(module) -> None:
+    """FSDP2 queues its root's ``FSDPState._root_post_backward_final_callback`` (a bound method,
+    looked up when queued) to run at the end of each backward, synchronized or not."""
+    _mark_backward_end_after(module.FSDPState, "_root_post_backward_final_callback")
+
+
+def _patch_fsdp_runtime_module(module) -> None:
+    """``FullyShardedDataParallel`` queues ``_post_backward_final_callback`` (the module's
+    global, looked up when queued) to run at the end of each backward, under ``no_sync()`` too."""
+    _mark_backward_end_after(module, "_post_backward_final_callback")
+
+
+def _mark_backward_end_after(owner, name: str) -> None:
+    """Wrap FSDP's end-of-backward callback ``owner.name``, once, to mark where that backward
+    ended (``Monitor.backward_ended``) once it has run: the time from there to the next
+    micro-batch's forward, its loading, is then ``data``. DDP's backward ends are marked by the
+    hook-free gradient wait; nothing marks FSDP's, whose loading between micro-batches read
+    ``backward``. FSDP's own callback runs first and its errors are its own."""
+    orig = getattr(owner, name)
+    if getattr(orig, "_syncwatch_original", None) is not None:
+        return
+
+    @functools.wraps(orig)
+    def wrapper(*args, **kwargs):
+        orig(*args, **kwargs)
+        steps = _steps
+        if steps is not None and _state.monitor is steps.m and not _stood_down:
+            steps.m.backward_ended()
+
+    wrapper._syncwatch_original = orig
+    setattr(owner, name, wrapper)
 
 
 def _replace(module, name: str, orig, wrapper, exporters: tuple[str, ...]) -> None:
@@ -504,6 +541,8 @@ PATCHES = {  # module -> what patches it once it has executed
     "torch.nn.parallel.distributed": _patch_ddp_module,
     "torch.distributed.fsdp.fully_sharded_data_parallel": _patch_fsdp_module,
     "torch.distributed.fsdp._fully_shard._fully_shard": _patch_fully_shard_module,
+    "torch.distributed.fsdp._fully_shard._fsdp_state": _patch_fsdp_state_module,
+    "torch.distributed.fsdp._runtime_utils": _patch_fsdp_runtime_module,
     "torch.amp.grad_scaler": _patch_grad_scaler_module,
     "torch.serialization": _patch_torch_save_module,
     "torch.distributed.checkpoint.state_dict_saver": _patch_dcp_module,
