@@ -227,7 +227,9 @@ class Model:
             phases.append(comp)
             paused = (ckpt, evaluation) if i == 0 or not p.rank0_pauses else (0.0, 0.0)
             pauses.append(paused)
-            arrivals.append(sum(comp) + sum(paused))
+            # fsum: exactly rounded, so the same run on every CPython (3.12's sum() of floats
+            # compensates its rounding, 3.11's does not: the golden exposition moved)
+            arrivals.append(math.fsum(comp) + sum(paused))
         if self._congested_left == 0 and (
                 (p.congestion_every and step % p.congestion_every == 0)
                 or rand() < self.congestion_probability()):
