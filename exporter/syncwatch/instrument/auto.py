@@ -26,10 +26,11 @@ be created there):
   is ``data`` too, and what comes after the last backward until the optimizer step (clipping,
   unscaling) stays ``backward``: the hook-free gradient wait marks where each DDP backward ends
   (a synchronized one's final callback, and under ``no_sync()`` one final callback of its own),
-  FSDP's end-of-backward callback where each FSDP backward ends, and a forward with no optimizer step since the one before ends ``backward`` with
-  ``Monitor.next_micro_batch``, from which the records thread takes the time since the latest
-  backward's end as ``data`` (this thread does not know where that was). A step without
-  accumulation runs one comparison of it, at its forward;
+  FSDP's wrapped end-of-backward callback where each FSDP backward ends, and a forward with no
+  optimizer step since the one before ends ``backward`` with ``Monitor.next_micro_batch``, from
+  which the records thread takes the time since the latest backward's end as ``data`` (this
+  thread does not know where that was). A step without accumulation runs one comparison of it,
+  at its forward;
 * a step ends after each ``step()`` of the first optimizer that steps, or a ``GradScaler.step``
   of it that skipped ``step()`` (inf or NaN gradients); samples = the batch dimension of the
   first tensor given to forward (``batch_size``), summed over the step's forwards of the first
