@@ -1487,6 +1487,12 @@ def test_the_end_record_says_how_the_process_ended(rx, ending, reason):
     assert (end.reason, end.last_step) == (reason, 1), out.stderr[-2000:]
 
 
+def run_python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with the test environment; its output as text."""
+    return subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+
+
 def test_api_is_a_noop_without_torch_distributed():
     code = ("import sys, syncwatch.instrument as sw\n"
             "assert 'torch' not in sys.modules and 'prometheus_client' not in sys.modules\n"
@@ -1494,8 +1500,7 @@ def test_api_is_a_noop_without_torch_distributed():
             "sw.step(3); sw.shutdown()\n"
             "assert sw.init() is None and sw.current() is None\n"
             "print('ok')\n")
-    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(),
-                         capture_output=True, text=True, timeout=60)
+    out = run_python(code)
     assert out.stdout.strip() == "ok", out.stderr
 
 
@@ -1584,8 +1589,7 @@ def test_zero_code_install_after_torch_imported_fsdp_patches_what_the_script_imp
             "      DistributedDataParallel._syncwatch_patched,\n"
             "      hasattr(FSDPState._root_post_backward_final_callback, '_syncwatch_original'),\n"
             "      hasattr(_runtime_utils._post_backward_final_callback, '_syncwatch_original'))\n")
-    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True,
-                         text=True, timeout=120)
+    out = run_python(code)
     assert out.stdout.split() == ["True"] * 6, out.stderr[-2000:]
 
 
@@ -1602,8 +1606,7 @@ def test_zero_code_install_patches_the_rest_where_a_torch_moved_what_one_patch_w
             "print(torch.nn.parallel.DistributedDataParallel._syncwatch_patched,\n"
             "      hasattr(torch.save, '_syncwatch_original'),\n"
             "      hasattr(_runtime_utils._post_backward_final_callback, '_syncwatch_original'))\n")
-    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True,
-                         text=True, timeout=120)
+    out = run_python(code)
     assert out.stdout.split() == ["True"] * 3, out.stderr[-2000:]
     assert ("could not patch torch.distributed.fsdp._fully_shard._fsdp_state" in out.stderr
             and "_root_post_backward_final_callback" in out.stderr), out.stderr[-2000:]
@@ -1633,8 +1636,7 @@ def test_zero_code_keeps_no_model_the_script_lets_go_of(wrap):
             "del model, opt\n"
             "gc.collect()\n"
             "print(steps, gone() is None)\n")
-    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True,
-                         text=True, timeout=120)
+    out = run_python(code)
     assert out.stdout.split() == ["3", "True"], out.stderr[-2000:]
 
 
