@@ -6,7 +6,6 @@ imports syncwatch (the zero-code-change test runs it under ``syncwatch-run``).
 """
 
 import argparse
-import contextlib
 import io
 import os
 import time
@@ -58,12 +57,6 @@ def main():
                    help="with --instrument explicit: init() before building the model, not after")
     p.add_argument("--ignore-first", action="store_true",
                    help="DDP ignores the first layer's parameters (as for another parallelism's)")
-    p.add_argument("--accumulate", type=int, default=1, metavar="N",
-                   help="gradient accumulation (an unmodified script's: no phases): N "
-                        "micro-batches a step, each after the first loaded --load-delay s, all "
-                        "but the last unsynchronized (no_sync(), FSDP2's "
-                        "set_requires_gradient_sync(False))")
-    p.add_argument("--load-delay", type=float, default=0.0, metavar="S")
     a = p.parse_args()
 
     torch.set_num_threads(1)
@@ -129,30 +122,19 @@ def main():
         if rank == a.hang_rank and i == a.hang_step:
             # blocks forever: rank 0 never joins this collective
             dist.all_reduce(torch.zeros(1), group=hang_group)
-        if a.accumulate > 1:
+        with phase("forward"):
+            if rank == a.slow_rank:
+                time.sleep(a.delay)
+            if second is not None:
+                with torch.set_grad_enabled(a.second_model == "trained"):
+                    y = (y + second(x)) / 2
+            out = net(x=x) if a.call == "keyword" else net({"x": x}) if a.call == "dict" else net(x)
+            loss = nn.functional.mse_loss(out, y)
+            if scaler is not None:
+                loss = scaler.scale(loss * (float("inf") if i in a.amp_skip else 1.0))
+        with phase("backward"):
             opt.zero_grad()
-            for k in range(a.accumulate):
-                if k:
-                    time.sleep(a.load_delay)  # the next micro-batch's loading
-                last = k == a.accumulate - 1
-                with contextlib.nullcontext() if last else _unsynced(ddp):
-                    part = slice(k, None, a.accumulate)
-                    nn.functional.mse_loss(net(x[part]), y[part]).backward()
-        else:
-            with phase("forward"):
-                if rank == a.slow_rank:
-                    time.sleep(a.delay)
-                if second is not None:
-                    with torch.set_grad_enabled(a.second_model == "trained"):
-                        y = (y + second(x)) / 2
-                out = (net(x=x) if a.call == "keyword" else net({"x": x}) if a.call == "dict"
-                       else net(x))
-                loss = nn.functional.mse_loss(out, y)
-                if scaler is not None:
-                    loss = scaler.scale(loss * (float("inf") if i in a.amp_skip else 1.0))
-            with phase("backward"):
-                opt.zero_grad()
-                loss.backward()
+            loss.backward()
         grads = [_local(q.grad).clone() for q in ddp.parameters()]
         with phase("optimizer"):
             if scaler is not None:
@@ -181,21 +163,6 @@ def main():
     if sw:
         sw.shutdown()
     dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _unsynced(model):
-    """A backward that synchronizes no gradients: DDP's and FSDP's ``no_sync()``, FSDP2's
-    ``set_requires_gradient_sync(False)``."""
-    if hasattr(model, "no_sync"):
-        with model.no_sync():
-            yield
-        return
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def _local(t):
