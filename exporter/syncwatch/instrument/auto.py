@@ -184,7 +184,8 @@ def _mark_backward_end_after(owner, name: str) -> None:
     ended (``Monitor.backward_ended``) once it has run: the time from there to the next
     micro-batch's forward, its loading, is then ``data``. DDP's backward ends are marked by the
     hook-free gradient wait; nothing marks FSDP's, whose loading between micro-batches read
-    ``backward``. FSDP's own callback runs first and its errors are its own."""
+    ``backward``. FSDP's own callback runs first and its errors are its own; none of ours
+    reaches FSDP (the mark counts its own)."""
     orig = getattr(owner, name)
     if getattr(orig, "_syncwatch_original", None) is not None:
         return
@@ -192,9 +193,9 @@ def _mark_backward_end_after(owner, name: str) -> None:
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
         orig(*args, **kwargs)
-        steps = _steps
-        if steps is not None and _state.monitor is steps.m and not _stood_down:
-            steps.m.backward_ended()
+        m = _steps.m if _steps is not None and not _stood_down else None
+        if m is not None and m is _state.monitor and m.backward_ended is not None:
+            m.backward_ended()
 
     wrapper._syncwatch_original = orig
     setattr(owner, name, wrapper)
