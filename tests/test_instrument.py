@@ -1588,9 +1588,10 @@ def test_zero_code_install_after_torch_imported_fsdp_patches_what_the_script_imp
             "      FullyShardedDataParallel._syncwatch_patched,\n"
             "      DistributedDataParallel._syncwatch_patched,\n"
             "      hasattr(FSDPState._root_post_backward_final_callback, '_syncwatch_original'),\n"
-            "      hasattr(_runtime_utils._post_backward_final_callback, '_syncwatch_original'))\n")
+            "      hasattr(_runtime_utils._post_backward_final_callback, '_syncwatch_original'),\n"
+            "      hasattr(__import__('torch').optim.Adam.load_state_dict, '_syncwatch_original'))\n")
     out = run_python(code)
-    assert out.stdout.split() == ["True"] * 6, out.stderr[-2000:]
+    assert out.stdout.split() == ["True"] * 7, out.stderr[-2000:]
 
 
 def test_zero_code_install_patches_the_rest_where_a_torch_moved_what_one_patch_wraps():
@@ -1674,6 +1675,58 @@ def test_zero_code_counts_the_steps_and_samples_of_a_second_run_in_the_same_proc
     recs = steps(rx, 6)
     assert [r.step for r in recs] == [1, 2, 3, 4, 5, 6]
     assert [r.samples for r in recs] == [5.0] * 6
+
+
+@pytest.mark.parametrize(("state", "count"), [
+    ({"state": {3: {"step": 7.0, "exp_avg": None}}, "param_groups": [{"lr": 0.1}]}, 7),
+    ({"state": {}, "param_groups": [{"lr": 0.1, "step": 12}]}, 12),  # kept by the group
+    ({"state": {0: {"momentum_buffer": None}}, "param_groups": [{"lr": 0.1}]}, None),  # SGD
+    ({"state": {0: {"step": -1}}}, None),
+    ({"state": {0: {"step": 2.5}}}, None),
+    ({"state": {0: {"step": [1, 2]}}}, None),
+    ({"state": {0: {"step": "7"}}}, None),
+    ({"state": {0: {"step": "soon"}}}, None),
+    ({"state": [1, 2], "param_groups": None}, None),
+    ("not a state", None),
+])
+def test_loaded_step_reads_the_count_of_steps_an_optimizer_state_holds(state, count):
+    from syncwatch.instrument import auto
+    assert auto.loaded_step(state) == count
+
+
+@pytest.mark.parametrize(("optimizer", "numbers"), [
+    ("AdamW(params, lr=0.1)", [8, 9, 10, 8, 9]),
+    ("AdamW(params, lr=0.1, fused=True)", [8, 9, 10, 8, 9]),
+    ("Adagrad(params, lr=0.1)", [8, 9, 10, 8, 9]),
+    ("SGD(params, lr=0.1, momentum=0.9)", [1, 2, 3, 4, 5]),  # its state counts no steps
+])
+def test_zero_code_numbers_the_steps_on_from_the_optimizer_state_a_job_resumes_from(
+        rx, optimizer, numbers):
+    """A job that loads its optimizer's state from a checkpoint of step 7 goes on at step 8;
+    loaded again mid-run (a resume within the process), the step number goes back, a new
+    attempt. An optimizer whose state keeps no step count leaves the steps counted from 1."""
+    run_zero_code(rx, "def make(model):\n"
+                      "    params = model.parameters()\n"
+                      f"    return torch.optim.{optimizer}\n"
+                      "def train(model, opt, n):\n"
+                      "    for _ in range(n):\n"
+                      "        model(torch.randn(4, 8)).sum().backward()\n"
+                      "        opt.step(); opt.zero_grad()\n"
+                      "earlier = torch.nn.Linear(8, 8)  # the job before the restart\n"
+                      "opt = make(earlier)\n"
+                      "train(earlier, opt, 7)\n"
+                      "saved = copy.deepcopy(opt.state_dict())\n"
+                      "model = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+                      "opt = make(model)\n"
+                      "opt.load_state_dict(copy.deepcopy(saved))  # as from a file\n"
+                      "train(model, opt, 3)\n"
+                      "opt.load_state_dict(copy.deepcopy(saved))\n"
+                      "train(model, opt, 2)\n", imports="import copy\n")
+    recs = steps(rx, 5)
+    assert [r.step for r in recs] == numbers
+    resumed = numbers[3] < numbers[2]
+    assert [r.identity.attempt for r in recs] == [0, 0, 0, 1, 1] if resumed else [0] * 5
+    assert all(r.totals.internal_errors == 0 for r in recs)
 
 
 def test_zero_code_counts_a_closure_s_batch_once_however_often_it_evaluates_it(rx):

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from syncwatch.daemon.config import DaemonConfig  # noqa: E402
 
 WORKER = str(Path(__file__).parent / "instrument" / "ddp_worker.py")
+RESUME_WORKER = str(Path(__file__).parent / "instrument" / "resume_worker.py")
 DELAY = 0.04
 
 
@@ -527,6 +528,48 @@ def test_restart_resuming_from_an_earlier_step_counts_rerun_steps(daemon, sock_p
     assert m.value("syncwatch_job_attempt", train_job=job) == 1
     assert m.value("syncwatch_job_restarts_total", train_job=job) == 1
     assert m.value("syncwatch_job_rerun_steps_total", train_job=job) == 10  # steps 21..30 again
+
+
+def test_zero_code_resuming_from_a_checkpoint_counts_the_steps_run_again(
+        daemon, sock_path, tmp_path):
+    """An unmodified job whose rank 0 fails after step 25 restarts (attempt 1), resumes from its
+    save after step 20 (AdamW's state, with its step count) and runs to step 40, under
+    ``syncwatch-run``. Each attempt counted its steps from 1 where nothing told it the job's:
+    the daemon took all 25 steps of the first attempt for re-run ones. The weights are those
+    of the same run without syncwatch."""
+    job = "zc-resume"
+    outs = {}
+    for kind in ("plain", "zc"):
+        outs[kind] = out = tmp_path / kind
+        out.mkdir()
+        wrapper = [sys.executable, "-m", "syncwatch.instrument.run", "--job", job,
+                   "--skew-every", "0"] if kind == "zc" else []
+        for attempt in (0, 1):
+            tag, port = f"{kind}{attempt}", str(free_port())
+            procs = [subprocess.Popen(
+                [*wrapper, sys.executable, RESUME_WORKER, "--ckpt", str(out / "ckpt.pt"),
+                 "--out", str(out)], stdout=open(tmp_path / f"{tag}-rank{rank}.log", "w"),
+                stderr=subprocess.STDOUT,
+                env=subprocess_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                   MASTER_PORT=port, TORCHELASTIC_RESTART_COUNT=str(attempt),
+                                   SYNCWATCH_SOCKET=sock_path)) for rank in (0, 1)]
+            if attempt == 0:  # rank 0 fails; rank 1 then finds its peer gone
+                try:
+                    assert procs[0].wait(90) == 1 and procs[1].wait(30) != 0
+                finally:
+                    for p in procs:
+                        p.kill()
+                assert "injected failure after step 25" in (tmp_path / f"{tag}-rank0.log").read_text()
+            else:
+                finish(procs, tmp_path, tag)
+    assert_same_results(outs["plain"], outs["zc"], 2)
+    every = {0: 40, 1: 40}
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_last_step", train_job=job) == every)
+    assert m.by_rank("syncwatch_last_step", train_job=job) == every  # the job's own numbers
+    assert m.value("syncwatch_job_attempt", train_job=job) == 1
+    assert m.value("syncwatch_job_restarts_total", train_job=job) == 1
+    assert m.value("syncwatch_job_rerun_steps_total", train_job=job) == 5  # steps 21..25 again
+    assert m.value("syncwatch_client_internal_errors_total") == 0
 
 
 def test_a_slurm_requeue_of_torchrun_is_a_later_attempt(daemon, sock_path, tmp_path):

@@ -4,7 +4,7 @@
 waits for the program to import DDP or FSDP and then patches them (``PATCHES``):
 ``DistributedDataParallel.__init__`` and ``forward``, ``FullyShardedDataParallel.__init__`` and
 ``forward``, ``fully_shard``, the end-of-backward callbacks of both FSDPs,
-``GradScaler.step``, and the checkpoint savers ``torch.save``,
+``GradScaler.step``, ``Optimizer.load_state_dict``, and the checkpoint savers ``torch.save``,
 ``torch.distributed.checkpoint``'s ``save`` and ``async_save``, and ``safetensors.torch``'s
 ``save_file`` and ``save_model``. When a model is wrapped with
 ``torch.distributed`` initialized (all ranks wrap it, so the side group of the skew exchange can
@@ -42,12 +42,18 @@ be created there):
 * a save on the training thread once the loop has started (``torch.save``, DCP's ``save`` and
   the staging part of its ``async_save``, safetensors' ``save_file`` and ``save_model``) is
   ``checkpoint``, a planned pause; after it, the phase it interrupted goes on. A save before
-  the first forward is setup, no step's.
+  the first forward is setup, no step's;
+* steps are numbered from 1 in each process, or, once the optimizer that ends the steps loads
+  a state that counts its steps (``Optimizer.load_state_dict``: Adam's, AdamW's and most
+  others' ``step``), from that count on: a job resuming from a checkpoint goes on with its own
+  step numbers, and after a restart the daemon counts the steps run again.
 
 Not visible without the explicit API: tokens, saves by other means (a file the script writes
 itself, a thread of the script's own, a saver bound by ``from ... import`` before
-``install()`` ran), the job's own step numbers (hence re-run steps after a restart), custom phases,
-and steps ended by a second optimizer (its own ``step()`` is ``optimizer``, then ``data``).
+``install()`` ran), the job's own step numbers where its optimizer keeps no step count (SGD:
+after a restart from a checkpoint, every step of the attempt before reads as re-run), custom
+phases, and steps ended by a second optimizer (its own ``step()`` is ``optimizer``, then
+``data``).
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ import sys
 import threading
 import weakref
 
+from ..protocol import MAX_STEP
 from . import _state
 
 log = logging.getLogger("syncwatch.instrument")
@@ -199,6 +206,52 @@ def _mark_backward_end_after(owner, name: str) -> None:
 
     wrapper._syncwatch_original = orig
     setattr(owner, name, wrapper)
+
+
+def _patch_optimizer_module(module) -> None:
+    """Wrap ``Optimizer.load_state_dict``, once: a job resuming from a checkpoint loads its
+    optimizer's state, and with it the count of steps taken (``loaded_step``). The next step
+    is numbered from there (``_Steps.end_step``), so that after a restart the daemon counts
+    the steps run again, not every step of the attempt before (each attempt counting from 1)."""
+    cls = module.Optimizer
+    orig = cls.load_state_dict
+    if getattr(orig, "_syncwatch_original", None) is not None:
+        return
+
+    @functools.wraps(orig)
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        out = orig(self, state_dict, *args, **kwargs)
+        try:
+            n = loaded_step(state_dict)
+            if n is not None:
+                _loaded[self] = n
+        except Exception:
+            if _steps is not None and _steps.m is not None:
+                _steps.m._error()
+        return out
+
+    load_state_dict._syncwatch_original = orig
+    cls.load_state_dict = load_state_dict
+
+
+def loaded_step(state_dict) -> int | None:
+    """The number of steps an optimizer state counts: the ``step`` of its first parameter that
+    has one (Adam, AdamW, RMSprop and most others keep one per parameter, all equal), else of
+    its first parameter group that has one; None where it keeps none (SGD). A tensor on a GPU
+    (a fused or capturable optimizer's) is read once, here, while the checkpoint loads."""
+    if not isinstance(state_dict, dict):
+        return None
+    states, groups = state_dict.get("state"), state_dict.get("param_groups")
+    holders = [*(states.values() if isinstance(states, dict) else ()),
+               *(groups if isinstance(groups, (list, tuple)) else ())]
+    for holder in holders:
+        if isinstance(holder, dict) and "step" in holder:
+            try:  # a number or a one-element tensor
+                n = float(holder["step"]) if not isinstance(holder["step"], str) else -1.0
+            except (TypeError, ValueError, RuntimeError):
+                return None
+            return int(n) if n.is_integer() and 0 <= n <= MAX_STEP else None
+    return None
 
 
 def _replace(module, name: str, orig, wrapper, exporters: tuple[str, ...]) -> None:
@@ -354,7 +407,14 @@ class _Steps:
 
     def end_step(self):
         self.switch(None)
-        self.m.step(self.samples)
+        number = None
+        if _loaded:  # a checkpoint loaded since the last step: its step count goes on
+            optimizer = self.optimizer()
+            number = _loaded.get(optimizer) if optimizer is not None else None
+            _loaded.clear()
+            if number is not None:
+                number += 1
+        self.m.step(self.samples, None, number)
         self.samples = 0
         self.steps += 1
         self.switch("data")
@@ -457,6 +517,8 @@ _steps: _Steps | None = None
 _stood_down = False  # the script instruments itself: zero-code mode does nothing more
 ATTACHED = "_syncwatch_steps"  # a model's attribute: the _Steps its forward drives
 _fsdp_undo: list = []  # takes the phases back from the FSDP model that drives them
+# optimizer -> the step count of the state it loaded since the last step (``loaded_step``)
+_loaded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _start():
@@ -546,6 +608,7 @@ PATCHES = {  # module -> what patches it once it has executed
     "torch.distributed.fsdp._fully_shard._fsdp_state": _patch_fsdp_state_module,
     "torch.distributed.fsdp._runtime_utils": _patch_fsdp_runtime_module,
     "torch.amp.grad_scaler": _patch_grad_scaler_module,
+    "torch.optim.optimizer": _patch_optimizer_module,
     "torch.serialization": _patch_torch_save_module,
     "torch.distributed.checkpoint.state_dict_saver": _patch_dcp_module,
     "safetensors.torch": _patch_safetensors_module,
