@@ -247,6 +247,21 @@ def test_driver_older_than_the_clock_event_reasons_call():
         assert v("syncwatch_gpu_power_watts", labels(2)) == 302.0
 
 
+def test_nvidia_ml_py_without_the_unsigned_short_value_type():
+    """nvidia-ml-py 12.535.x, which pyproject allows, has no NVML_VALUE_TYPE_UNSIGNED_SHORT
+    (12.560 added it): reading the field values' types raised AttributeError past the per-call
+    guard, and the node exported no GPU series at all, every cycle (collector success 0)."""
+    fake = FakeNvml(healthy_node(2), library_lacks={"NVML_VALUE_TYPE_UNSIGNED_SHORT"})
+    with pytest.raises(AttributeError):
+        fake.NVML_VALUE_TYPE_UNSIGNED_SHORT  # as on that module
+    runner = CollectorRunner({"gpu": GpuCollector(nvml=fake)})
+    runner.run_once()
+    v = registry_of(runner.collect()).get_sample_value
+    assert v("syncwatch_collector_success", {"collector": "gpu"}) == 1
+    assert v("syncwatch_gpu_memory_temperature_celsius", labels(1)) == 50
+    assert v("syncwatch_gpu_temperature_celsius", labels(1)) == 41
+
+
 def test_real_nvml_absent_is_quiet_no_data():
     """This machine has no GPU driver: the real nvmlInit() raises NVMLError_LibraryNotFound."""
     try:

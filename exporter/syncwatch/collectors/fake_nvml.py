@@ -50,11 +50,14 @@ class FakeNvml:
     """Stands in for the ``pynvml`` module."""
 
     def __init__(self, gpus: list[FakeGpu] | None = None, *, init_error: int | None = None,
-                 driver_lacks: set[str] = frozenset()):
+                 driver_lacks: set[str] = frozenset(), library_lacks: set[str] = frozenset()):
         self.gpus = healthy_node() if gpus is None else gpus
         self.init_error = init_error  # e.g. NVML_ERROR_DRIVER_NOT_LOADED
         # functions an older driver's library lacks: pynvml raises FUNCTION_NOT_FOUND for them
         self.driver_lacks = set(driver_lacks)
+        # names an older nvidia-ml-py module lacks (e.g. NVML_VALUE_TYPE_UNSIGNED_SHORT before
+        # 12.560): looking them up raises AttributeError, as on that module
+        self.library_lacks = set(library_lacks)
         self.initialized = 0
         self.calls = 0
         self._structs = [pynvml.struct_c_nvmlDevice_t() for _ in self.gpus]
@@ -83,6 +86,8 @@ class FakeNvml:
     # --- module attributes ----------------------------------------------------------------------
 
     def __getattr__(self, name: str):
+        if name in self.__dict__.get("library_lacks", ()):
+            raise AttributeError(f"module 'pynvml' has no attribute {name!r}")
         value = getattr(pynvml, name)  # AttributeError for unknown names, like the module
         if callable(value) and not isinstance(value, type):
             raise AttributeError(f"FakeNvml does not implement {name}")

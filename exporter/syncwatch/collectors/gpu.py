@@ -50,6 +50,19 @@ THROTTLE_REASONS = (
     ("power_brake", "nvmlClocksEventReasonHwPowerBrakeSlowdown"),
     ("display_clock", "nvmlClocksEventReasonDisplayClockSetting"),
 )
+# NVML field value type -> member of pynvml's ``c_nvmlValue_t`` union. nvidia-ml-py 12.535.x
+# (which pyproject allows) has no NVML_VALUE_TYPE_UNSIGNED_SHORT, and 12.560.30 has it without the
+# union's ``usVal``: a value of a type the installed library cannot read is absent. Looked up
+# unguarded, the missing constant failed every cycle: no GPU series at all.
+VALUE_MEMBERS = (
+    ("NVML_VALUE_TYPE_DOUBLE", "dVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_INT", "uiVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_LONG", "ulVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", "ullVal"),
+    ("NVML_VALUE_TYPE_SIGNED_LONG_LONG", "sllVal"),
+    ("NVML_VALUE_TYPE_SIGNED_INT", "siVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_SHORT", "usVal"),
+)
 MAX_EVENTS_PER_CYCLE = 256
 log = logging.getLogger("syncwatch.collectors.gpu")
 
@@ -89,6 +102,8 @@ class GpuCollector:
                         nv.NVML_ERROR_FUNCTION_NOT_FOUND}
         self._reasons = [(label, getattr(nv, const)) for label, const in THROTTLE_REASONS]
         self._thermal = nv.nvmlClocksEventReasonSwThermalSlowdown | nv.nvmlClocksEventReasonHwThermalSlowdown
+        self._value_members = {getattr(nv, name): member for name, member in VALUE_MEMBERS
+                               if hasattr(nv, name)}
 
     # --- NVML lifecycle -------------------------------------------------------------------------
 
@@ -292,11 +307,8 @@ class GpuCollector:
         fv = values[0]
         if fv.nvmlReturn != nv.NVML_SUCCESS:
             return call(f"field {field_id}", _raise, nv.NVMLError(fv.nvmlReturn))
-        kind = {nv.NVML_VALUE_TYPE_DOUBLE: "dVal", nv.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
-                nv.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal", nv.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
-                nv.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal", nv.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
-                nv.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal"}.get(fv.valueType)
-        return None if kind is None else getattr(fv.value, kind)
+        member = self._value_members.get(fv.valueType)
+        return None if member is None else getattr(fv.value, member, None)
 
     def _drain_xids(self, errors: list[str]) -> None:
         """Count pending XID events and note when each arrived, without waiting (timeout 0 answers
