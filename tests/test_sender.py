@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import subprocess
+import sys
 import time
 
-from conftest import run_unprivileged
+import pytest
+from conftest import run_unprivileged, subprocess_env
 from daemon_helpers import RankSim, healthz, identity, scrape, value, wait_for, wait_records
 
 from syncwatch.daemon import DaemonConfig, DaemonThread
-from syncwatch.sender import Sender
+from syncwatch.sender import Sender, parse_udp
 
 
 def config(path: str) -> DaemonConfig:
@@ -187,3 +191,84 @@ def test_a_daemon_restart_counts_each_dropped_record_once(sock_path):
         assert before + after == m.sender.dropped, (before, after, m.sender.dropped)
     finally:
         m.shutdown(timeout=0.5)
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_daemon_and_its_ranks_read_syncwatch_udp_alike(monkeypatch):
+    """``:PORT`` (no host) made the daemon bind 127.0.0.1:PORT and each rank's Sender raise
+    ValueError: the instrumentation did not start. One parser, one meaning: 127.0.0.1."""
+    address = f":{free_udp_port()}"
+    monkeypatch.setenv("SYNCWATCH_UDP", address)
+    with DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=None, udp=address)) as d:
+        s = Sender()
+        assert s.address == parse_udp(address) == ("127.0.0.1", int(address[1:]))
+        sim = RankSim(identity(0))
+        for step in range(1, 6):
+            assert s.send(sim.step(step, 0.1))
+        wait_records(d.url, 5)
+        s.close()
+
+
+@pytest.mark.parametrize("address, says, daemon_says", [
+    ("127.0.0.1:70000", "UDP address '127.0.0.1:70000': the port must be from 1 to 65535",
+     "udp '127.0.0.1:70000': the port must be from 0 to 65535"),
+    ("127.0.0.1:0", "UDP address '127.0.0.1:0': the port must be from 1 to 65535",
+     None),  # a daemon may bind port 0 (it gets a free port); nothing can send to it
+    ("127.0.0.1:", "UDP address must look like 127.0.0.1:9478, got '127.0.0.1:'",
+     "udp must look like 127.0.0.1:9478, got '127.0.0.1:'"),
+    ("127.0.0.1", "UDP address must look like 127.0.0.1:9478, got '127.0.0.1'",
+     "udp must look like 127.0.0.1:9478, got '127.0.0.1'"),
+])
+def test_a_bad_syncwatch_udp_is_said_once_and_every_record_is_dropped(monkeypatch, caplog,
+                                                                       address, says, daemon_says):
+    """A port over 65535 passed the sender's parser and every connect raised OverflowError,
+    swallowed: all records dropped without a word (the daemon refused the same value). Port 0
+    reached nobody. Now the sender says so once and counts every record dropped."""
+    monkeypatch.setenv("SYNCWATCH_UDP", address)
+    with caplog.at_level(logging.WARNING, logger="syncwatch.sender"):
+        s = Sender()
+        assert [s.send(b"record") for _ in range(20)] == [False] * 20
+    assert (s.sent, s.dropped, s.address) == (0, 20, None)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"syncwatch: ignoring SYNCWATCH_UDP: {says}; this process sends nothing to the daemon: "
+        "every record is dropped"]
+    if daemon_says is None:
+        DaemonConfig(listen="127.0.0.1:0", socket=None, udp=address)
+    else:
+        with pytest.raises(ValueError) as refused:
+            DaemonConfig(listen="127.0.0.1:0", socket=None, udp=address)
+        assert str(refused.value) == daemon_says
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_syncwatch_udp_as_the_instrumentation_reads_it(bad):
+    """In a rank, ``sw.init()`` with ``:PORT`` did not start (the Sender's ValueError), and with
+    a port over 65535 started and dropped everything silently. ``:PORT`` now reaches the daemon
+    on 127.0.0.1; a bad value is said once and the rank trains, instrumented, sending nothing."""
+    port = free_udp_port()
+    address = "127.0.0.1:70000" if bad else f":{port}"
+    code = ("import torch.distributed as dist, syncwatch.instrument as sw\n"
+            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "m = sw.init(exchange_every=0)\n"
+            "for _ in range(3): sw.step(1)\n"
+            "sw.shutdown()\n"
+            "print(m is not None, m and m.sender.dropped)\n")
+    with DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=None, udp=f":{port}")) as d:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120, env=subprocess_env(SYNCWATCH_UDP=address,
+                                                             SYNCWATCH_JOB="udp-env"))
+        assert out.returncode == 0, out.stderr[-2000:]
+        started, dropped = out.stdout.split()
+        assert started == "True", out.stderr[-2000:]
+        if bad:
+            assert int(dropped) >= 4  # 3 steps and the end record at least
+            assert out.stderr.count("ignoring SYNCWATCH_UDP: UDP address '127.0.0.1:70000'") == 1
+            assert healthz(d.url)["records"] == 0
+        else:
+            assert dropped == "0" and "SYNCWATCH_UDP" not in out.stderr, out.stderr[-2000:]
+            wait_records(d.url, 4)

@@ -57,13 +57,26 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def parse_address(address: str, what: str = "address", *, any_port: bool = False) -> tuple[str, int]:
+    """``"127.0.0.1:9478"``, ``"[::1]:9478"`` or ``":9478"`` (host 127.0.0.1) -> (host, port).
+
+    The one parser of ``SYNCWATCH_UDP``, which the daemon and the ranks read alike, and of the
+    daemon's other addresses (the two had their own rules: a port over 65535 stopped the daemon
+    and made every send of the ranks fail, and an empty host stopped the ranks' instrumentation).
+    Port 0 only where ``any_port``: a daemon binding it gets a free port; nothing can send to it.
+    """
+    host, sep, port = address.rpartition(":")
+    if not (sep and port.isascii() and port.isdigit()):
+        raise ValueError(f"{what} must look like 127.0.0.1:9478, got {address!r}")
+    lowest = 0 if any_port else 1
+    if not lowest <= int(port) <= 65535:
+        raise ValueError(f"{what} {address!r}: the port must be from {lowest} to 65535")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
 def parse_udp(address: str) -> tuple[str, int]:
-    """``"127.0.0.1:9478"`` or ``"[::1]:9478"`` -> (host, port)."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit():
-        raise ValueError(f"UDP address must look like 127.0.0.1:9478, got {address!r}")
-    return host, int(port)
+    """The daemon's UDP address as a rank sends to it (``SYNCWATCH_UDP``, ``--udp``)."""
+    return parse_address(address, "UDP address")
 
 
 class Sender:
@@ -72,11 +85,18 @@ class Sender:
         """Send to the Unix datagram socket ``path`` (default ``$SYNCWATCH_SOCKET`` or
         ``/run/syncwatch/ingest.sock``), or to UDP ``host:port`` when ``udp`` (or ``$SYNCWATCH_UDP``)
         is set."""
+        source = "udp" if udp is not None else ENV_UDP
         udp = udp if udp is not None else os.environ.get(ENV_UDP) or None
         if udp:
-            host, port = parse_udp(udp)
+            try:
+                host, port = parse_udp(udp)
+            except ValueError as e:
+                # The rank trains on, unmonitored, rather than fail in init(); said once here.
+                log.warning("syncwatch: ignoring %s: %s; this process sends nothing to the "
+                            "daemon: every record is dropped", source, e)
+                host, port = "", 0
             self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            self._address: object = (host, port)
+            self._address: object = (host, port) if host else None
         else:
             self._family = socket.AF_UNIX
             self._address = path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
@@ -109,7 +129,7 @@ class Sender:
 
     def _connect(self) -> socket.socket | None:
         now = time.monotonic()
-        if now < self._next_connect:
+        if now < self._next_connect or self._address is None:
             return None
         s = socket.socket(self._family, socket.SOCK_DGRAM)
         try:

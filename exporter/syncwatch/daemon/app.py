@@ -174,7 +174,7 @@ class RunningDaemon:
 
 async def start_daemon(config: DaemonConfig, extra_collectors: Sequence = ()) -> RunningDaemon:
     """Start the daemon on the running loop. Raises ``OSError`` (port taken, socket not bindable)."""
-    host, port = parse_address(config.listen, "listen")
+    host, port = parse_address(config.listen, "listen", any_port=True)
     app = create_app(config, extra_collectors)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..sender import parse_address  # the ranks' rules for SYNCWATCH_UDP, which both read
+
 
 @dataclass
 class DaemonConfig:
@@ -26,14 +28,6 @@ class DaemonConfig:
                              f"{self.rank_ttl:g}, job_grace {self.job_grace:g}")
         if self.max_ranks < 1 or self.max_jobs < 1:
             raise ValueError("max_ranks and max_jobs must be at least 1")
-        parse_address(self.listen, "listen")
+        parse_address(self.listen, "listen", any_port=True)
         if self.udp:
-            parse_address(self.udp, "udp")
-
-
-def parse_address(address: str, what: str = "address") -> tuple[str, int]:
-    """``"127.0.0.1:9477"`` / ``"[::1]:9477"`` -> (host, port). An empty host means 127.0.0.1."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"{what} must look like 127.0.0.1:9477, got {address!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+            parse_address(self.udp, "udp", any_port=True)

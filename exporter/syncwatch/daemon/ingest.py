@@ -119,7 +119,7 @@ def inherited_socket(path: str) -> socket.socket | None:
 
 
 def bind_udp(address: str) -> socket.socket:
-    host, port = parse_address(address, "udp")
+    host, port = parse_address(address, "udp", any_port=True)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
