@@ -153,15 +153,24 @@ def test_no_permission_on_the_socket_is_said_once(sock_path):
         assert healthz(d.url)["records"] == 0
 
 
-def test_a_daemon_restart_counts_each_dropped_record_once(sock_path):
+@pytest.mark.parametrize("transport", ["unix", "udp"])
+def test_a_daemon_restart_counts_each_dropped_record_once(sock_path, transport):
     """Records carry the rank's cumulative drop count, and a daemon meeting a rank's process
     counted all of it: after a restart the new daemon exported the drops its predecessor had
     already exported again, and Prometheus's increase() over the restart (a counter reset: the
     new daemon's count added to the old one's) counted them twice. Each drop counts once, those
-    made while the daemon was down included."""
+    made while the daemon was down included. Over UDP a send to nobody succeeds (only the next
+    one is refused), and each such record counted as delivered: a restarted daemon took drops
+    that no daemon had been told of as counted (1 of 20)."""
     from syncwatch.instrument.monitor import Monitor
 
-    m = Monitor(identity(0), Sender(sock_path), heartbeat_seconds=0)
+    if transport == "udp":
+        address = f"127.0.0.1:{free_udp_port()}"
+        sender = Sender(udp=address)
+        daemon = DaemonConfig(listen="127.0.0.1:0", socket=None, udp=address)
+    else:
+        sender, daemon = Sender(sock_path), config(sock_path)
+    m = Monitor(identity(0), sender, heartbeat_seconds=0)
     lab = dict(train_job="job-a", rank=0)
 
     def step():
@@ -180,17 +189,38 @@ def test_a_daemon_restart_counts_each_dropped_record_once(sock_path):
     try:
         for _ in range(5):  # no daemon yet: dropped
             step()
-        with DaemonThread(config(sock_path)) as d:
+        with DaemonThread(daemon) as d:
             before = exported(d)
         assert before == m.sender.dropped >= 5
         for _ in range(7):  # the daemon restarts: dropped
             step()
-        with DaemonThread(config(sock_path)) as d:
+        with DaemonThread(daemon) as d:
             after = exported(d)
         assert m.sender.dropped >= before + 7
         assert before + after == m.sender.dropped, (before, after, m.sender.dropped)
     finally:
         m.shutdown(timeout=0.5)
+
+
+def test_over_udp_a_datagram_nobody_received_is_dropped_not_delivered():
+    """A connected UDP socket's send to a port nobody listens on succeeds; the ICMP
+    port-unreachable it draws fails the next send. That first datagram was counted sent, and the
+    counts it carried as delivered: the rank's next records told a daemon they had been counted."""
+    s = Sender(udp=f"127.0.0.1:{free_udp_port()}")
+    assert s.send(b"first", (0, 0))
+    assert s.send(b"second", (0, 0)) is False  # refused: first reached nobody
+    assert (s.sent, s.dropped, s.delivered) == (0, 2, (0, 0))
+    assert s.send(b"third", (2, 0))  # a fresh socket; in flight, unconfirmed
+    assert s.delivered == (2, 0)  # the next record reaches a daemon only if third did
+    assert s.send(b"fourth", (2, 0)) is False
+    assert (s.sent, s.dropped, s.delivered) == (0, 4, (0, 0))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rx:  # a daemon's socket
+        rx.bind(s.address)
+        for i in range(3):
+            assert s.send(b"live %d" % i, (4, i))
+        assert [rx.recv(100) for _ in range(3)] == [b"live 0", b"live 1", b"live 2"]
+    assert (s.sent, s.dropped, s.delivered, s._confirmed) == (3, 4, (4, 2), (4, 1))
+    s.close()
 
 
 def free_udp_port() -> int:

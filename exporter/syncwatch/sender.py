@@ -8,6 +8,10 @@ non-blocking ``send`` on a connected socket (~0.4 us). What can go wrong, and wh
   comes back receives records again within the backoff;
 * daemon restarted (our connected socket points at the old, closed one): ECONNREFUSED, so we
   reconnect at once on the next send;
+* over UDP a send to nobody succeeds: the kernel's ICMP port-unreachable comes back and the
+  *next* send on that socket fails with ECONNREFUSED (on loopback before ``send`` returns; Linux
+  does not rate-limit ICMP there). So a datagram is known delivered only once a later send on the
+  same socket was not refused, and a refusal counts the datagram before it as dropped too;
 * the daemon's queue is full (EAGAIN; a Unix datagram socket queues only
   ``net.unix.max_dgram_qlen`` datagrams, 10 by default): the record goes to a small retry queue
   that a background thread drains with 1 ms pauses for up to ``retry_seconds``; while that queue
@@ -23,6 +27,10 @@ non-blocking ``send`` on a connected socket (~0.4 us). What can go wrong, and wh
 A caller may pass a record's ``counts`` (the drop and error counts it carries) to ``send()``:
 once that record has left, ``delivered`` holds them, and the next records say so, so that a daemon
 meeting the rank anew (after its restart) counts only the drops no record delivered before told of.
+Over UDP ``delivered`` is the counts of the last datagram sent on the current socket: the next
+record reaches a daemon only if its own send is not refused, which confirms that datagram; after a
+refusal it goes back to the counts of the last one confirmed. A record sent while the daemon was
+down thus never makes a restarted daemon take its drops as counted before (it counted 1 of 20).
 """
 
 from __future__ import annotations
@@ -100,6 +108,7 @@ class Sender:
         else:
             self._family = socket.AF_UNIX
             self._address = path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
+        self._udp = self._family != socket.AF_UNIX
         self.retry_seconds = retry_seconds
         self._queue_max = retry_queue
         self._warned_permission = False  # not reset at fork: one warning per rank, not per worker
@@ -113,6 +122,10 @@ class Sender:
         self.dropped = 0
         self.sent = 0
         self.delivered: tuple[int, int] = (0, 0)  # ``counts`` of the last record delivered
+        # UDP: the counts of the last datagram confirmed delivered, and whether the last one sent
+        # on the current socket awaits the next send's verdict
+        self._confirmed: tuple[int, int] = (0, 0)
+        self._unconfirmed = False
         self._sock: socket.socket | None = None
         self._next_connect = 0.0
         self._backoff = _BACKOFF_MIN
@@ -181,6 +194,8 @@ class Sender:
                 # Daemon restarted or gone: reconnect on the next send, at once.
                 self._drop_socket()
                 self._next_connect = 0.0
+                if self._unconfirmed:
+                    self._lost_in_flight()
             return False
 
     def send(self, data: bytes, counts: tuple[int, int] | None = None) -> bool:
@@ -207,8 +222,19 @@ class Sender:
 
     def _delivered(self, counts: tuple[int, int] | None) -> None:
         self.sent += 1
+        if self._udp:  # not refused: the datagram sent before this one on this socket arrived
+            self._confirmed = self.delivered
+            self._unconfirmed = True
         if counts is not None:
             self.delivered = counts
+
+    def _lost_in_flight(self) -> None:
+        """UDP: a send on the socket failed (ECONNREFUSED: the ICMP port-unreachable the datagram
+        before it drew), so that datagram reached nobody."""
+        self._unconfirmed = False
+        self.delivered = self._confirmed
+        self.sent -= 1
+        self._drop()
 
     def _drop(self) -> None:
         # The retry thread counts too; ``+=`` on an attribute is not atomic across threads.
