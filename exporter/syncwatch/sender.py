@@ -9,8 +9,8 @@ non-blocking ``send`` on a connected socket (~0.4 us). What can go wrong, and wh
 * daemon restarted (our connected socket points at the old, closed one): ECONNREFUSED, so we
   reconnect at once on the next send;
 * over UDP a send to nobody succeeds: the kernel's ICMP port-unreachable comes back and the
-  *next* send on that socket fails with ECONNREFUSED (on loopback before ``send`` returns; Linux
-  does not rate-limit ICMP there). So a datagram is known delivered only once a later send on the
+  *next* send on that socket fails with ECONNREFUSED (on loopback at once: Linux does not
+  rate-limit ICMP there; see docs/daemon.md for other interfaces). So a datagram is known delivered only once a later send on the
   same socket was not refused, and a refusal counts the datagram before it as dropped too;
 * the daemon's queue is full (EAGAIN; a Unix datagram socket queues only
   ``net.unix.max_dgram_qlen`` datagrams, 10 by default): the record goes to a small retry queue
@@ -98,13 +98,14 @@ class Sender:
         if udp:
             try:
                 host, port = parse_udp(udp)
+                self._address: object = (host, port)
             except ValueError as e:
-                # The rank trains on, unmonitored, rather than fail in init(); said once here.
+                # Said once, here; the rank trains on, its records dropped and counted, rather
+                # than have init() fail (the instrumentation did not start).
                 log.warning("syncwatch: ignoring %s: %s; this process sends nothing to the "
                             "daemon: every record is dropped", source, e)
-                host, port = "", 0
+                host, self._address = "", None
             self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            self._address: object = (host, port) if host else None
         else:
             self._family = socket.AF_UNIX
             self._address = path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
