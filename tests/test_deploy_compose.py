@@ -10,11 +10,13 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import subprocess_env
 from deploy_helpers import ROOT, compose_validator, wait_for
 
 COMPOSE_FILES = [ROOT / "docker-compose.yml", ROOT / "deploy" / "scale-out" / "docker-compose.yml"]
@@ -190,6 +192,69 @@ def test_daemon_and_demo_share_the_ingest_socket():
     # Prometheus and Alertmanager reach the daemon on 127.0.0.1 as the native stack does.
     for name in ("syncwatch", "prometheus", "alertmanager"):
         assert services[name]["network_mode"] == "service:loopback", name
+
+
+# Docker's read_only: true, as a shell in a private mount namespace gives it: every mount but
+# /proc, /sys and /dev read-only, /run/syncwatch the named volume (here a directory of the test's)
+# mounted read-only as the demo mounts it, no network (network_mode: none), the working directory
+# /, no TMPDIR. The image's Python finds no temporary directory there, which the script checks
+# before it runs the service's command.
+READ_ONLY_CONTAINER = r"""
+set -e
+mount -t tmpfs -o mode=0755 tmpfs /run
+mkdir /run/syncwatch
+mount --bind "$1" /run/syncwatch
+shift
+for m in $(awk '{print $5}' /proc/self/mountinfo); do
+  case "$m" in /proc|/proc/*|/sys|/sys/*|/dev|/dev/*) continue;; esac
+  mount -o remount,bind,ro "$m" 2>/dev/null || true
+done
+cd /
+unset TMPDIR TEMP TMP
+if python -c 'import tempfile; tempfile.mkdtemp()' 2>/dev/null; then
+  echo "the sandbox left a temporary directory writable" >&2; exit 99
+fi
+exec python -m syncwatch "$@"
+"""
+
+
+def test_demo_service_runs_in_its_read_only_container(tmp_path):
+    """`docker compose --profile demo up` never started: the demo made a temporary socket
+    directory even with --send-to, which starts no daemon, and in its read-only container (no
+    tmpfs, no TMPDIR) Python found none ("No usable temporary directory found"), so it exited
+    and restarted forever. The service's own command runs here under the container's
+    conditions, with the real code, and its ranks reach a real daemon through the read-only
+    socket mount."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare (util-linux) for a mount namespace")
+    from syncwatch.daemon.app import DaemonThread
+    from syncwatch.daemon.config import DaemonConfig
+    service = load(ROOT / "docker-compose.yml")["services"]["demo"]
+    assert service["read_only"] is True and not service.get("tmpfs")
+    assert service["network_mode"] == "none" and not service.get("environment")
+    socket_path = "/run/syncwatch/ingest.sock"
+    assert f"syncwatch-ingest:{os.path.dirname(socket_path)}:ro" in service["volumes"]
+    assert f"--send-to={socket_path}" in service["command"]
+    volume = tmp_path / "syncwatch-ingest"
+    volume.mkdir()
+    bindir = tmp_path / "bin"  # the image's `python` on PATH
+    bindir.mkdir()
+    (bindir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bindir / "python").chmod(0o755)
+    env = subprocess_env(PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}",
+                         PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+    with DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=str(volume / "ingest.sock"))) as d:
+        result = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "--net", "sh", "-c",
+             READ_ONLY_CONTAINER, "sh", str(volume), *service["command"],
+             "--duration=3", "--step-time=0.05"],
+            capture_output=True, text=True, env=env, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "is not a socket" not in result.stderr, result.stderr
+        body = urllib.request.urlopen(d.url + "/metrics", timeout=5).read().decode()
+    steps = re.search(r'syncwatch_steps_total\{rank="7",train_job="sim-straggler"\} (\S+)', body)
+    assert steps and float(steps.group(1)) >= 3, body[:3000]
+    assert 'node="sim-node-00"' in body
 
 
 def test_loopback_service_stops_on_sigterm_as_pid_1():

@@ -10,8 +10,9 @@ instead (no daemons).
 With ``--hardware`` (the default) every node's daemon also runs the real GPU, NIC and InfiniBand
 collectors over that node's simulated hardware (``sim.hardware``): GPU temperature, clocks,
 throttling and energy, and fabric traffic and congestion counters that follow the scenario.
-``--send-to SOCKET`` starts no daemons: the simulated ranks send to a daemon already running on
-that ingest socket, as training containers do (``docker compose --profile demo up``).
+``--send-to SOCKET`` starts no daemons and makes no socket directory: the simulated ranks send to
+a daemon already running on that ingest socket, as training containers do (``docker compose
+--profile demo up``, whose read-only container has no writable temporary directory).
 """
 
 from __future__ import annotations
@@ -157,7 +158,9 @@ def _run(args) -> int:
     from ..daemon.app import DaemonThread
     from ..daemon.config import DaemonConfig
 
-    own_dir = not args.socket_dir
+    # --send-to starts no daemon, so it makes no socket directory: the compose demo's read-only
+    # container has no writable temporary directory
+    own_dir = not (args.socket_dir or args.send_to)
     sock_dir = tempfile.mkdtemp(prefix="syncwatch-demo-") if own_dir else args.socket_dir
     daemons: list = []
     thread = hardware = None
