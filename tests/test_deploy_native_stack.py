@@ -4,6 +4,7 @@ daemons, evaluates the shipped rules, runs with the shipped config, and stops cl
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
@@ -103,14 +105,57 @@ def test_stack_scrapes_the_demo_evaluates_rules_and_stops_cleanly():
             urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2)
 
 
-def test_stack_up_runs_from_a_wheel_installed_without_the_checkout(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """A wheel of this checkout, as ``pip install .`` builds it."""
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(out), str(ROOT)], check=True, timeout=300, capture_output=True)
+    (built,) = out.glob("syncwatch-*.whl")
+    return built
+
+
+def with_these_dependencies(site: Path) -> None:
+    """Make this environment's dependencies importable from ``site``, after what is installed
+    there (a .pth file: its lines go to the end of sys.path)."""
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    (site / "zz-deps.pth").write_text("\n".join(deps) + "\n")
+
+
+def installed_env(**extra: str) -> dict[str, str]:
+    """The environment without this checkout on PYTHONPATH: the installed copy is imported."""
+    return {k: v for k, v in subprocess_env(**extra).items() if k != "PYTHONPATH"}
+
+
+def stack_up_rule_files(python: str, env: dict[str, str], cwd: Path) -> set[str]:
+    """Run ``syncwatch stack up`` with ``python``: the rule files its Prometheus loaded. SIGTERM
+    stops it, and it exits 0."""
+    stack = subprocess.Popen([python, "-m", "syncwatch", "stack", "up", "--prometheus-port", "0",
+                              "--alertmanager-port", "0", "--data-dir", str(cwd / "data")],
+                             env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        lines = [stack.stdout.readline() for _ in range(3)]
+        assert lines[2] == "Ctrl-C stops.\n", "".join(lines) + stack.stdout.read()
+        prom = re.search(r"prometheus\s+http://127\.0\.0\.1:(\d+)", lines[0])
+        rules = api(int(prom[1]), "rules")["groups"]
+        stack.send_signal(signal.SIGTERM)
+        assert stack.wait(30) == 0
+    finally:
+        if stack.poll() is None:
+            stack.kill()
+            stack.wait()
+    return {g["file"] for g in rules}
+
+
+def shipped_rules(share: Path) -> set[str]:
+    return {str(share / "alerts" / f.name) for f in (ROOT / "alerts").glob("*.rules.yml")}
+
+
+def test_stack_up_runs_from_a_wheel_installed_without_the_checkout(tmp_path, wheel):
     """``pip install .`` (the systemd deploy) installs the package alone: ``stack up`` looked for
     deploy/ and alerts/ beside it and failed with "No such file or directory". The wheel carries
     them as data under <prefix>/share/syncwatch, and the stack runs from there."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path / "wheel"), str(ROOT)], check=True, timeout=300,
-                   capture_output=True)
-    (wheel,) = (tmp_path / "wheel").glob("syncwatch-*.whl")
     installed = subprocess.run([sys.executable, "-m", "pip", "show", "-f", "syncwatch"],
                                capture_output=True, text=True).stdout
     venv = tmp_path / "venv"
@@ -120,30 +165,71 @@ def test_stack_up_runs_from_a_wheel_installed_without_the_checkout(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
                     "-q", "--no-deps", str(wheel)], check=True, timeout=300, capture_output=True)
     site = next(venv.glob("lib/python3*/site-packages"))
-    # the dependencies from this environment, after the installed syncwatch on the path
-    deps = [p for p in sys.path if p.endswith("site-packages")]
-    (site / "zz-deps.pth").write_text("\n".join(deps) + "\n")
-    env = {k: v for k, v in subprocess_env().items() if k != "PYTHONPATH"}
+    with_these_dependencies(site)
+    env = installed_env()
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import syncwatch; print(syncwatch.__file__)"],
                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert where.stdout.startswith(str(site)), where.stdout + where.stderr  # not the checkout's
-    stack = subprocess.Popen([str(venv / "bin" / "python"), "-m", "syncwatch", "stack", "up",
-                              "--prometheus-port", "0", "--alertmanager-port", "0",
-                              "--data-dir", str(tmp_path / "data")],
-                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
-    try:
-        lines = [stack.stdout.readline() for _ in range(3)]
-        assert lines[2] == "Ctrl-C stops.\n", "".join(lines) + stack.stdout.read()
-        prom = re.search(r"prometheus\s+http://127\.0\.0\.1:(\d+)", lines[0])
-        rules = api(int(prom[1]), "rules")["groups"]
-        assert {g["file"] for g in rules} == {str(venv / "share" / "syncwatch" / "alerts" / f.name)
-                                             for f in (ROOT / "alerts").glob("*.rules.yml")}
-        stack.send_signal(signal.SIGTERM)
-        assert stack.wait(30) == 0
-    finally:
-        if stack.poll() is None:
-            stack.kill()
-            stack.wait()
+    rules = stack_up_rule_files(str(venv / "bin" / "python"), env, tmp_path)
+    assert rules == shipped_rules(venv / "share" / "syncwatch")
     assert subprocess.run([sys.executable, "-m", "pip", "show", "-f", "syncwatch"],
                           capture_output=True, text=True).stdout == installed  # left as it was
+
+
+def base_python() -> Path:
+    """The interpreter this environment was made from (itself outside a virtual environment)."""
+    return Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def test_stack_up_runs_from_a_wheel_installed_with_pip_user(tmp_path, wheel):
+    """``pip install --user`` puts the data files under the user base (``~/.local/share/syncwatch``,
+    or $PYTHONUSERBASE's), not under sys.prefix: ``stack up`` looked only in
+    <sys.prefix>/share/syncwatch and failed although the files were installed."""
+    python = base_python()
+    if not python.is_file():
+        pytest.skip(f"{python} (the base interpreter) is not there")
+    user_base = tmp_path / "userbase"
+    env = installed_env(PYTHONUSERBASE=str(user_base))
+    env.pop("PYTHONNOUSERSITE", None)
+    # pip runs under that interpreter; Debian's marks itself externally managed (PEP 668), which
+    # refuses --user installs too
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--user",
+                    "--no-deps", "--break-system-packages", str(wheel)],
+                   check=True, timeout=300, capture_output=True, env=env)
+    site = next(user_base.glob("lib/python3*/site-packages"))
+    with_these_dependencies(site)
+    where = subprocess.run([str(python), "-c", "import syncwatch; print(syncwatch.__file__)"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert where.stdout.startswith(str(site)), where.stdout + where.stderr
+    assert stack_up_rule_files(str(python), env, tmp_path) == shipped_rules(user_base / "share" / "syncwatch")
+
+
+def test_installed_by_debians_system_pip_it_finds_its_data_under_usr_local(tmp_path, wheel):
+    """Debian's system Python installs with pip into /usr/local (its posix_local scheme), the
+    data files under /usr/local/share/syncwatch, while its sys.prefix is /usr: ``stack up``
+    looked in /usr/share/syncwatch. Installed here in a private mount namespace, over an empty
+    /usr/local."""
+    debian = "/usr/bin/python3"
+    scheme = subprocess.run([debian, "-c", "import sysconfig; print(sysconfig.get_default_scheme())"],
+                            capture_output=True, text=True) if Path(debian).is_file() else None
+    if scheme is None or scheme.stdout.strip() != "posix_local":
+        pytest.skip("needs Debian's /usr/bin/python3 (its posix_local install scheme)")
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare (util-linux) for a mount namespace")
+    deps = "\n".join(p for p in sys.path if p.endswith("site-packages"))
+    script = r"""
+set -e
+mount -t tmpfs tmpfs /usr/local
+"$1" -m pip --python "$2" install -q --no-cache-dir --no-deps --break-system-packages "$3"
+site=$("$2" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+printf '%s\n' "$4" > "$site/zz-deps.pth"
+exec "$2" -c 'import sys; from syncwatch import stack; print(sys.prefix, stack.__file__, stack.shipped("alerts"))'
+"""
+    result = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script,
+                             "sh", sys.executable, debian, str(wheel), deps],
+                            capture_output=True, text=True, env=installed_env(), cwd=tmp_path,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    prefix, module, alerts = result.stdout.split()
+    assert prefix == "/usr" and module.startswith("/usr/local/lib/python3"), result.stdout
+    assert alerts == "/usr/local/share/syncwatch/alerts"

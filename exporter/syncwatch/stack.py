@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -38,18 +39,41 @@ from . import promapi
 from .cli import add_flag
 
 REPO = Path(__file__).resolve().parents[2]
-SHARE = Path(sys.prefix) / "share" / "syncwatch"  # where an installed package keeps them
+
+
+def installed_data() -> list[Path]:
+    """Where pip put the package's data files (``share/syncwatch``, pyproject.toml's data-files):
+    the ``data`` directory of the install scheme whose library directory holds this package,
+    whatever its prefix: a venv; ``/usr/local`` for Debian's system pip, while ``sys.prefix`` is
+    ``/usr``; ``~/.local`` or ``$PYTHONUSERBASE`` for ``pip install --user``; ``--prefix DIR``.
+    ``<sys.prefix>/share/syncwatch`` last."""
+    package_parent = Path(__file__).absolute().parents[1]
+    found = []
+    for scheme in sysconfig.get_scheme_names():
+        paths = sysconfig.get_paths(scheme)
+        for lib in (paths["purelib"], paths["platlib"]):
+            try:
+                layout = Path(lib).relative_to(paths["data"]).parts
+            except ValueError:
+                continue
+            if layout and package_parent.parts[-len(layout):] == layout:
+                found.append(package_parent.parents[len(layout) - 1] / "share" / "syncwatch")
+    return list(dict.fromkeys(found + [Path(sys.prefix) / "share" / "syncwatch"]))
 
 
 def shipped(relative: str) -> Path:
     """A file of the checkout (``deploy/…``, ``alerts``) that the stack runs from: the checkout's
-    where there is one (a source tree, an editable install), else the installed copy under
-    ``<prefix>/share/syncwatch`` (pyproject.toml's data files)."""
-    for base in (REPO, SHARE):
+    where there is one (a source tree, an editable install), else the installed copy
+    (``installed_data``)."""
+    installed = installed_data()
+    for base in (REPO, *installed):
         if (base / relative).exists():
             return base / relative
     raise StackError(f"{relative} is in neither a syncwatch checkout ({REPO}) nor the installed "
-                     f"package's data ({SHARE}): reinstall syncwatch, or run from a checkout")
+                     f"package's data ({', '.join(map(str, installed))}): reinstall syncwatch, "
+                     "or run from a checkout")
+
+
 PROMETHEUS_BINARIES = ("prometheus",)
 ALERTMANAGER_BINARIES = ("prometheus-alertmanager", "alertmanager")  # Debian name first
 
