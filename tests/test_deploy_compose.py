@@ -280,6 +280,21 @@ def test_loopback_service_stops_on_sigterm_as_pid_1():
             proc.wait()
 
 
+def test_docs_say_the_daemon_gets_nvml_only_with_the_nvidia_runtime_asked_for():
+    """The daemon's runtime is the compose file's, runc unless SYNCWATCH_CONTAINER_RUNTIME says
+    otherwise, whatever Docker's default runtime is: on a GPU node whose default is nvidia, plain
+    ``docker compose up -d`` gets no NVML. The README said "NVML through the NVIDIA runtime when
+    present", as if it came by itself."""
+    raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["syncwatch"]
+    assert raw["runtime"] == "${SYNCWATCH_CONTAINER_RUNTIME:-runc}"
+    assert load(ROOT / "docker-compose.yml")["services"]["syncwatch"]["runtime"] == "runc"
+    for doc in ("README.md", "docs/deploy.md", "docker-compose.yml"):
+        text = " ".join((ROOT / doc).read_text().replace("#", " ").split())  # unwrapped
+        assert "SYNCWATCH_CONTAINER_RUNTIME=nvidia docker compose up -d" in text, doc
+        assert "even where nvidia is Docker's default runtime" in text.replace("`", ""), doc
+        assert "NVIDIA runtime when present" not in text, doc
+
+
 def test_grafana_has_no_default_admin_password():
     env = load(ROOT / "docker-compose.yml")["services"]["grafana"]["environment"]
     assert env["GF_SECURITY_DISABLE_INITIAL_ADMIN_CREATION"] == "true"
