@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tempfile
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import subprocess_env
@@ -41,3 +44,20 @@ def test_demo_sending_to_no_socket_says_so(tmp_path):
     assert result.returncode == 0, result.stderr
     assert (f"syncwatch demo: warning: {missing} is not a socket (yet): nothing is received until "
             "a daemon listens there") in result.stderr
+
+
+def test_demo_sending_to_a_daemon_needs_no_temporary_directory(tmp_path, monkeypatch, capsys):
+    """--send-to starts no daemon, yet the demo made a temporary socket directory it never used:
+    where there is none to make (the compose demo's read-only container), it died in
+    FileNotFoundError. Its ranks reach the running daemon without one."""
+    from syncwatch import cli
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-directory"))
+    with pytest.raises(FileNotFoundError):
+        tempfile.mkdtemp()
+    sock = str(tmp_path / "ingest.sock")
+    with DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=sock)) as d:
+        assert cli.main(["demo", "--send-to", sock, "--nodes", "1", "--ranks-per-node", "2",
+                         "--duration", "1.5", "--step-time", "0.05"]) == 0
+        body = urllib.request.urlopen(d.url + "/metrics", timeout=5).read().decode()
+    assert "every node sends to the daemon on " + sock in capsys.readouterr().out
+    assert re.search(r'syncwatch_steps_total\{rank="1",train_job="sim-straggler"\} [1-9]', body), body[:2000]

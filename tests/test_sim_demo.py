@@ -165,23 +165,3 @@ def test_demo_stops_cleanly_on_a_stop_signal(sig):
     shutil.rmtree(sock_dir, ignore_errors=True)  # do not litter /tmp when it fails
     assert not left, f"{sock_dir} left behind"
     assert "steps/s" in out  # the closing summary: it went through the clean stop
-
-
-def test_demo_sending_to_a_daemon_needs_no_temporary_directory(tmp_path, monkeypatch, capsys):
-    """--send-to starts no daemon, yet the demo made a temporary socket directory it never used:
-    where there is none to make (the compose demo's read-only container), it died in
-    FileNotFoundError. Its ranks reach the running daemon without one."""
-    import tempfile
-    from syncwatch import cli
-    from syncwatch.daemon.app import DaemonThread
-    from syncwatch.daemon.config import DaemonConfig
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-directory"))
-    with pytest.raises(FileNotFoundError):
-        tempfile.mkdtemp()
-    sock = str(tmp_path / "ingest.sock")
-    with DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=sock)) as d:
-        assert cli.main(["demo", "--send-to", sock, "--nodes", "1", "--ranks-per-node", "2",
-                         "--duration", "1.5", "--step-time", "0.05"]) == 0
-        body = urllib.request.urlopen(d.url + "/metrics", timeout=5).read().decode()
-    assert "every node sends to the daemon on " + sock in capsys.readouterr().out
-    assert re.search(r'syncwatch_steps_total\{rank="1",train_job="sim-straggler"\} [1-9]', body), body[:2000]
