@@ -293,6 +293,17 @@ def test_the_mtbf_counts_the_time_the_job_ran_not_the_range_around_it():
     assert again == restarts and longer == pytest.approx(minutes, rel=0.05)
 
 
+def test_a_recorded_checkpoint_costs_its_steps_checkpoint_time():
+    """A recorded step's checkpoint is global rank 0's time (as the daemon counts it): a checkpoint
+    costs the mean of the steps that hold one, not a share of it per rank."""
+    run = recorded("restarts")
+    saves = [s["checkpoint"] for s in run["steps"] if s["checkpoint"] > 0]
+    (f,) = [f for f in diagnose(recording.to_view(run, "test")).findings if f.mode == "checkpoint_restart"]
+    (cost,) = [e for e in f.evidence if "a checkpoint costs" in e["reading"]]
+    assert len(saves) >= 2 and cost["value"] == pytest.approx(sum(saves) / len(saves), abs=1e-3)
+    assert f"{len(saves)} in range" in cost["reading"]
+
+
 def test_cli_offline_json_and_summary(tmp_path, monkeypatch, capsys):
     path = tmp_path / "run.json"
     recording.save(recorded("restarts"), path)

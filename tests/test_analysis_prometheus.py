@@ -11,6 +11,7 @@ every 5 s, as if scraped.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 
@@ -101,6 +102,24 @@ def moved_job_series(job: str, fail: float = T0 + 1000, back: int = 300, gap: in
     return out
 
 
+def checkpointing_series(job: str, rank0_only: bool, every: int = 200, seconds: float = 10.0):
+    """``job_series`` with two restarts and a checkpoint every ``every`` seconds taking ``seconds``:
+    in every rank's ``phase="checkpoint"`` or, ``rank0_only`` (torch's DDP tutorial), in rank 0's
+    alone, and in the rank-0 daemon's ``syncwatch_checkpoint_seconds_total`` and
+    ``syncwatch_checkpoints_total`` either way."""
+    out = job_series(job, restarts={T0 + 700: 50, T0 + 1500: 50})
+    times = range(T0, T0 + SPAN + 1, SCRAPE)
+    saves = [(t, (t - T0) // every) for t in times]
+    for r in range(4):
+        lab = {"train_job": job, "rank": str(r), "instance": f"10.0.0.{r // 2}:9477", "phase": "checkpoint"}
+        mine = r == 0 or not rank0_only
+        out.append(("syncwatch_phase_seconds_total", lab, [(t, n * seconds if mine else 0.0) for t, n in saves]))
+    lab = {"train_job": job, "instance": "10.0.0.0:9477"}
+    out.append(("syncwatch_checkpoints_total", lab, saves))
+    out.append(("syncwatch_checkpoint_seconds_total", lab, [(t, n * seconds) for t, n in saves]))
+    return out
+
+
 @pytest.fixture(scope="module")
 def prom(tmp_path_factory):
     series = [*job_series("steady"),
@@ -108,7 +127,9 @@ def prom(tmp_path_factory):
               *job_series("daemon-restart", restarts={T0 + 1000: 30, T0 + 1800: 40}, daemon_restart=T0 + 1400),
               *moved_job_series("moved"), *job_series("scraped-15s", scrape=15),
               *job_series("scraped-30s", scrape=30, step_times=True),
-              *job_series("exchange-20s", exchange=20, step_times=True)]
+              *job_series("exchange-20s", exchange=20, step_times=True),
+              *checkpointing_series("every-rank-saves", rank0_only=False),
+              *checkpointing_series("rank-0-saves", rank0_only=True)]
     with backfilled_prometheus(tmp_path_factory.mktemp("prom"), series) as p:
         yield p.url
 
@@ -254,6 +275,24 @@ def test_a_restart_that_moved_rank_0_to_another_node_is_counted(prom, start, end
     assert d["scores"]["restarts"] == restarts
     assert d["scores"]["rerun_steps"] == (pytest.approx(300, abs=2 * SCRAPE) if restarts else 0)
     assert ("checkpoint_restart" in {f["mode"] for f in d["findings"]}) == (restarts > 0)
+
+
+@pytest.mark.parametrize("job", ["every-rank-saves", "rank-0-saves"])
+def test_a_checkpoint_costs_rank_0s_save_whichever_ranks_save(prom, job, monkeypatch, capsys):
+    """A 10 s checkpoint every 200 s, two restarts. The cost per checkpoint was the checkpoint phase
+    summed over all ranks, divided by the rank count and the checkpoints: where only rank 0 saves
+    (torch's DDP tutorial) it read 2.5 s on 4 ranks, and Young's interval half its length. It is
+    now rank 0's checkpoint time per checkpoint, as the rank-0 daemon counts them."""
+    d = _diagnose(monkeypatch, capsys, prom, job, T0 + 60, T0 + SPAN - 60)
+    (f,) = [f for f in d["findings"] if f["mode"] == "checkpoint_restart"]
+    (cost,) = [e for e in f["evidence"] if "a checkpoint costs" in e["reading"]]
+    assert cost["value"] == pytest.approx(10.0, rel=0.01)
+    assert cost["series"] == "syncwatch_checkpoint_seconds_total / syncwatch_checkpoints_total"
+    mtbf = float(cost["reading"].split("observed MTBF ")[1].split(" min")[0]) * 60
+    assert mtbf == pytest.approx((SPAN - 120) / 2, rel=0.02)
+    (young,) = [o for o in f["options"] if "Young's optimum" in o]
+    interval = float(young.split(" = ")[1].split(" s ")[0])
+    assert interval == pytest.approx(math.sqrt(2 * 10.0 * mtbf), abs=1)
 
 
 # bcrypt of "s3cret" at cost 4 (cheap to check on every request), as Prometheus' web configuration

@@ -494,16 +494,16 @@ def detect_restarts(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
     options = ["find and remove the failing component: cordon the node behind the failures (XID errors, "
                "link flaps, ECC) before the next restart",
                "checkpoint asynchronously so a shorter interval costs little"]
-    ckpt_s = v.total("checkpoint_seconds") / max(1, len(v.rank_node))
-    if restarts > 0 and v.checkpoints:
+    if restarts > 0 and v.checkpoints and v.checkpoint_cost:
         from .checkpoint import young_interval
-        t_ckpt = ckpt_s / v.checkpoints
+        t_ckpt = v.checkpoint_cost
         mtbf = span / restarts
         interval = young_interval(t_ckpt, mtbf)
         mean_step = s["mean_step_seconds"] or 1.0
-        evidence.append({"series": "syncwatch_phase_seconds_total{phase=\"checkpoint\"} / syncwatch_checkpoints_total",
-                         "value": round(t_ckpt, 3), "reading": f"a checkpoint costs {t_ckpt:.2f} s; observed MTBF "
-                                                               f"{mtbf / 60:.1f} min"})
+        evidence.append({"series": "syncwatch_checkpoint_seconds_total / syncwatch_checkpoints_total",
+                         "value": round(t_ckpt, 3),
+                         "reading": f"a checkpoint costs {t_ckpt:.2f} s (global rank 0's, {v.checkpoints:.0f} in "
+                                    f"range); observed MTBF {mtbf / 60:.1f} min"})
         options.insert(1, f"set the checkpoint interval to Young's optimum sqrt(2 T_ckpt MTBF) = {interval:.0f} s "
                           f"(~{interval / mean_step:.0f} steps) for the observed failure rate")
     options.append("scale down: cluster MTBF falls as 1/nodes, and every failure re-runs work on all of them")

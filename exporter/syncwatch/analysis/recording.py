@@ -9,9 +9,11 @@ Format ``syncwatch-run/1``::
      "restarts": [{"t": ..., "failed_step": 130, "resume_step": 101, "attempt": 1}],
      "hardware": {"gpu_temperature_celsius": {"node-00": [[t, v], ...]}, ...}}   # optional
 
-A rank's compute time in a step is ``seconds - waits[i]`` (the step ends at the collective's
-release for every rank); its slack ``waits[i] - min(waits)``; the last arrival has the smallest wait.
-``from_ground_truth`` turns the simulator's ``GroundTruth`` into this format.
+``checkpoint`` is the time the step spent checkpointing, global rank 0's (what the daemon's
+``syncwatch_checkpoint_seconds_total`` counts): a step with one is a checkpoint, and its time the
+checkpoint's cost. A rank's compute time in a step is ``seconds - waits[i]`` (the step ends at
+the collective's release for every rank); its slack ``waits[i] - min(waits)``; the last arrival
+has the smallest wait. ``from_ground_truth`` turns the simulator's ``GroundTruth`` into this format.
 """
 
 from __future__ import annotations
@@ -132,8 +134,8 @@ def to_view(run: dict, source: str, start: float | None = None, end: float | Non
     world = len(run["rank_node"])
     n = len(times)
     per_rank = {name: {r: [0.0] * n for r in range(world)}
-                for name in ("steps", "step_seconds", "sync_seconds", "checkpoint_seconds",
-                             "slack_seconds", "last_arrivals", "samples")}
+                for name in ("steps", "step_seconds", "sync_seconds", "slack_seconds", "last_arrivals",
+                             "samples")}
     spr = float(run.get("samples_per_step") or 0.0)
     cv: list[float | None] = [None] * n
     ac: list[float | None] = [None] * n
@@ -149,7 +151,6 @@ def to_view(run: dict, source: str, start: float | None = None, end: float | Non
             per_rank["steps"][r][w] += 1
             per_rank["step_seconds"][r][w] += s["seconds"]
             per_rank["sync_seconds"][r][w] += wait
-            per_rank["checkpoint_seconds"][r][w] += s.get("checkpoint", 0.0)
             per_rank["slack_seconds"][r][w] += wait - lo
             per_rank["samples"][r][w] += spr
             if wait <= lo:
@@ -162,6 +163,7 @@ def to_view(run: dict, source: str, start: float | None = None, end: float | Non
     for t in times:
         past = [r for r in restarts if r["t"] <= t]
         rerun.append(float(sum(r["failed_step"] - r["resume_step"] + 1 for r in past)))
+    saves = [s["checkpoint"] for s in steps if s.get("checkpoint", 0.0) > 0]
     hardware = {}
     for name, rows in (run.get("hardware") or {}).items():
         hardware[name] = {node: _window_mean(points, times, width) for node, points in rows.items()}
@@ -170,7 +172,7 @@ def to_view(run: dict, source: str, start: float | None = None, end: float | Non
         rank_node=dict(enumerate(run["rank_node"])), per_rank=per_rank, cv=cv, autocorrelation=ac,
         restarts=[float(sum(1 for r in restarts if r["t"] <= t)) for t in times], rerun_steps=rerun,
         hardware=hardware, samples_per_rank_step=spr or None,
-        checkpoints=float(sum(1 for s in steps if s.get("checkpoint", 0.0) > 0)),
+        checkpoints=float(len(saves)), checkpoint_cost=sum(saves) / len(saves) if saves else None,
         restarts_at_start=float(sum(1 for r in restarts if r["t"] <= t0)),
         rerun_steps_at_start=float(sum(r["failed_step"] - r["resume_step"] + 1 for r in restarts if r["t"] <= t0)))
 

@@ -34,7 +34,6 @@ COUNTERS = {  # view field -> (metric, extra selector)
     "steps": ("syncwatch_steps_total", ""),
     "step_seconds": ("syncwatch_step_seconds_total", ""),
     "sync_seconds": ("syncwatch_phase_seconds_total", ',phase="sync"'),
-    "checkpoint_seconds": ("syncwatch_phase_seconds_total", ',phase="checkpoint"'),
     "slack_seconds": ("syncwatch_slack_seconds_total", ""),
     "last_arrivals": ("syncwatch_last_arrivals_total", ""),
     "samples": ("syncwatch_samples_total", ""),
@@ -81,6 +80,11 @@ class JobView:
     hardware: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
     samples_per_rank_step: float | None = None
     checkpoints: float | None = None                     # checkpoints written in the range
+    # what one checkpoint cost the job, mean over the range: global rank 0's checkpoint time per
+    # checkpoint (syncwatch_checkpoint_seconds_total / syncwatch_checkpoints_total). Not the
+    # checkpoint phase summed over all ranks and divided by their count: where only rank 0 saves
+    # (torch's DDP tutorial), that divided its save by the rank count, and Young's interval with it
+    checkpoint_cost: float | None = None
     restarts_at_start: float | None = None               # the two counters at the range start
     rerun_steps_at_start: float | None = None            # (None: unknown)
     restarts_from_attempts: float | None = None          # attempts begun in range, across daemons
@@ -342,6 +346,10 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
     samples = prom.scalar(f"sum(increase(syncwatch_samples_total{{{sel}}}[{span:.0f}s])) / "
                           f"sum(increase(syncwatch_steps_total{{{sel}}}[{span:.0f}s]))", end)
     checkpoints = prom.scalar(f"max(increase(syncwatch_checkpoints_total{{{sel}}}[{span:.0f}s]))", end)
+    # both counters summed over their series: a restart that moved rank 0 to another node left
+    # its checkpoints in two daemons' series, whose ratio is still the mean cost (0 / 0: None)
+    checkpoint_cost = prom.scalar(f"sum(increase(syncwatch_checkpoint_seconds_total{{{sel}}}[{span:.0f}s])) / "
+                                  f"sum(increase(syncwatch_checkpoints_total{{{sel}}}[{span:.0f}s]))", end)
     # the job counters at the range start; none there: the job (or the rank-0 daemon, which
     # counts from zero) started inside the range
     at_start = {name: prom.scalar(f"max(syncwatch_job_{name}_total{{{sel}}})", start, default=0.0)
@@ -374,6 +382,7 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
         restarts=job_series(f"max(syncwatch_job_restarts_total{{{sel}}})"),
         rerun_steps=job_series(f"max(syncwatch_job_rerun_steps_total{{{sel}}})"),
         hardware=hardware, samples_per_rank_step=samples, checkpoints=checkpoints,
+        checkpoint_cost=checkpoint_cost,
         restarts_at_start=at_start["restarts"], rerun_steps_at_start=at_start["rerun_steps"],
         restarts_from_attempts=restarts_from_attempts, rerun_steps_from_steps=rerun_from_steps)
 
