@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -138,6 +139,49 @@ def test_cli_offline(tmp_path, monkeypatch, capsys):
     recording.save(simulate(1, 50, seed=1), path)
     code, _, err = run_cli(monkeypatch, capsys, ["project", "--input", str(path)])
     assert code == 2 and "at least 2 nodes" in err
+
+
+@pytest.mark.parametrize(("env", "raw", "flag", "choices"), [
+    ("SYNCWATCH_SCALING", "Strong", "--scaling", "'weak', 'strong'"),
+    ("SYNCWATCH_ALGORITHM", "trees", "--algorithm", "'ring', 'tree', 'none'")])
+def test_an_environment_twin_outside_the_flags_choices_is_refused_as_the_flag(
+        env, raw, flag, choices, tmp_path, monkeypatch, capsys):
+    """argparse checks ``choices`` on a flag's value, not on its default: from the twin,
+    ``Strong`` ran a projection neither weak nor strong (weak's sweep, strong's model in places)
+    and ``trees`` was taken as a ring, exit 0."""
+    path = tmp_path / "run.json"
+    recording.save(simulate(2, 100, seed=1), path)
+    with pytest.raises(SystemExit) as e:
+        run_cli(monkeypatch, capsys, ["project", "--input", str(path), flag, raw])
+    assert e.value.code == 2
+    assert f"argument {flag}: invalid choice: {raw!r} (choose from {choices})" in capsys.readouterr().err
+    monkeypatch.setenv(env, raw)
+    with pytest.raises(SystemExit) as e:
+        run_cli(monkeypatch, capsys, ["project", "--input", str(path)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        f"syncwatch project: error: {env}={raw!r}: invalid choice: {raw!r} (choose from {choices})\n")
+    code, _, err = run_cli(monkeypatch, capsys, ["project", "--input", str(path), flag, raw.lower().rstrip("s")])
+    assert code == 0, err  # the flag given wins over its twin, as for any other
+
+
+def test_an_environment_twin_its_flags_type_refuses_is_one_error_line(monkeypatch, capsys):
+    """argparse takes ``ArgumentTypeError`` from a flag's type as a bad value; from the twin it
+    escaped while the parser was being built, a traceback in every command."""
+    from syncwatch import cli
+
+    def even(text: str) -> int:
+        if int(text) % 2:
+            raise argparse.ArgumentTypeError(f"{text} is odd")
+        return int(text)
+
+    monkeypatch.setenv("SYNCWATCH_PAIRS", "3")
+    parser = cli.Parser(prog="syncwatch test")
+    cli.add_flag(parser, "--pairs", type=even, default=2, help="an even count")
+    assert parser.parse_args(["--pairs", "4"]).pairs == 4
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args([])
+    assert e.value.code == 2 and "error: SYNCWATCH_PAIRS='3': 3 is odd" in capsys.readouterr().err
 
 
 def test_a_projection_whose_congestion_saturates_says_its_step_cv_is_a_floor():

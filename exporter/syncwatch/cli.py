@@ -75,15 +75,25 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kw) -> 
             kw["default"] = (low in _TRUE if low in _TRUE | _FALSE else
                              EnvError(raw, f"{env}={raw!r}: expected one of 1/0, true/false, yes/no, on/off"))
         else:
-            conv = kw.get("type", str)
-            try:
-                kw["default"] = conv(raw)
-            except (TypeError, ValueError) as e:
-                kw["default"] = EnvError(raw, f"{env}={raw!r}: {e}")
+            kw["default"] = _from_env(env, raw, kw.get("type", str), kw.get("choices"))
     # no default (None, "") is not printed: the help text says what happens without the flag
     shown = not boolean and kw.get("default") not in (None, "")
     suffix = f"[env {env}" + ("; default: %(default)s]" if shown else "]")
     return parser.add_argument(flag, help=f"{help} {suffix}", **kw)
+
+
+def _from_env(env: str, raw: str, conv, choices):
+    """A twin's value as its flag would take it, checked as argparse checks a flag's (a value
+    its ``type`` refuses, one outside ``choices``), else an ``EnvError``. argparse checks neither
+    on a default: ``SYNCWATCH_SCALING=Strong`` was taken as a scaling mode that was neither."""
+    try:
+        value = conv(raw)
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+        return EnvError(raw, f"{env}={raw!r}: {e}")
+    if choices is not None and value not in choices:
+        return EnvError(raw, f"{env}={raw!r}: invalid choice: {value!r} "
+                             f"(choose from {', '.join(map(repr, choices))})")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
