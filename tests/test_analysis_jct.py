@@ -197,6 +197,24 @@ def test_sync_wall_stops_where_the_global_batch_cannot_split_further():
     assert not e.sync_wall["reached"] and e.sync_wall["limited_by"] == "global batch"
 
 
+def test_a_node_count_the_global_batch_cannot_split_over_is_refused(monkeypatch, capsys):
+    """4 M tokens of 4096-token samples in 16 micro-batches hold 61 replicas of TP 8 x PP 4: at most
+    244 nodes. 512 nodes were priced (8 days) as if each of 128 replicas had its share of the
+    batch, and the same summary said the batch limited the job to 244 nodes."""
+    argv = ["jct", "--params", "70G", "--tokens", "2T", "--batch-tokens", "4M", "--seq-len", "4096",
+            "--sustained-tflops", "400", "--tp", "8", "--pp", "4", "--microbatches", "16",
+            "--checkpoint-seconds", "30", "--mtbf-hours", "24"]
+    code, out, err = run_cli(monkeypatch, capsys, [*argv, "--nodes", "512"])
+    assert code == 2 and out == ""
+    assert err == ("syncwatch jct: error: --nodes 512 makes 128 data-parallel replicas (TP 8 x PP 4), but the "
+                   "global batch splits into at most 61 (--batch-tokens 4e+06 / --seq-len 4096 / --microbatches "
+                   "16: a micro-batch holds at least one sample): at most 244 nodes\n")
+    code, _, err = run_cli(monkeypatch, capsys, [*argv, "--nodes", "248"])  # 62 replicas
+    assert code == 2 and "at most 244 nodes" in err
+    est = run_json(monkeypatch, capsys, [*argv, "--nodes", "244"])["estimate"]
+    assert est["dp"] == 61 and est["sync_wall"]["curve"][-1]["nodes"] == 244
+
+
 # ---- the command line
 
 def test_config_file_flags_and_environment_precedence(tmp_path, monkeypatch, capsys):
@@ -274,14 +292,14 @@ def test_bad_config_file_exits_2(tmp_path, monkeypatch, capsys):
         code, _, err = run_cli(monkeypatch, capsys, ["jct", "--config", str(bad)])
         assert code == 2 and message in err, err
     bad.write_text("nodes: 1.28e+2\nsustained_tflops: 400\nparams: 70e9\ntokens: 2e12\n"
-                   "batch_tokens: 4e6\nseq_len: 4096\n")
+                   "batch_tokens: 4e6\nseq_len: 2048\n")
     assert run_cli(monkeypatch, capsys, ["jct", "--config", str(bad)])[0] == 0
 
 
 def test_a_job_failing_faster_than_it_recovers_cannot_finish(monkeypatch, capsys):
     """A failure every 3.6 s against a 10 min restart printed a predicted wall-clock of an
     80-digit number of days, and as many expected failures."""
-    argv = ["jct", "--params", "70G", "--tokens", "2T", "--batch-tokens", "4M", "--seq-len", "4096",
+    argv = ["jct", "--params", "70G", "--tokens", "2T", "--batch-tokens", "4M", "--seq-len", "2048",
             "--nodes", "128", "--sustained-tflops", "400", "--checkpoint-seconds", "30"]
     code, out, _ = run_cli(monkeypatch, capsys, [*argv, "--mtbf-hours", "0.001"])
     assert code == 0
@@ -294,7 +312,7 @@ def test_a_job_failing_faster_than_it_recovers_cannot_finish(monkeypatch, capsys
     # a ten-thousandth of that: failures 36 ms apart, Daly's formula overflows; no node count helps
     code, out, _ = run_cli(monkeypatch, capsys, [*argv, "--mtbf-hours", "0.00001", "--max-nodes", "200"])
     assert code == 0 and "never: the job cannot be expected to finish" in out
-    assert "sync wall               none: the job cannot be expected to finish at any node count up to 122" in out
+    assert "sync wall               none: the job cannot be expected to finish at any node count up to 200" in out
     # slow but finishing: figures as before
     est = run_json(monkeypatch, capsys, [*argv, "--mtbf-hours", "0.2"])["estimate"]
     assert est["finishes"] is True and est["predicted_seconds"] == pytest.approx(3.12 * est["solve_seconds"], rel=0.01)

@@ -142,9 +142,25 @@ class JobSpec:
         if self.checkpoint_stall is not None and not 0 <= self.checkpoint_stall <= self.checkpoint_seconds:
             raise AnalysisError("--checkpoint-stall must lie between 0 and --checkpoint-seconds")
         interval_seconds(self.checkpoint_interval)
+        most = self.max_replicas()
+        if most is not None and self.gpus // (self.tp * self.pp) > most:
+            dp = self.gpus // (self.tp * self.pp)
+            nodes = int(most * self.tp * self.pp // self.gpus_per_node)
+            raise AnalysisError(
+                f"--nodes {self.nodes} makes {dp} data-parallel replicas (TP {self.tp} x PP {self.pp}), but "
+                f"the global batch splits into at most {math.floor(most)} (--batch-tokens {self.batch_tokens:g} / "
+                f"--seq-len {self.seq_len:g} / --microbatches {self.microbatches}: a micro-batch holds at "
+                f"least one sample): at most {nodes} nodes")
         self.total_flops(), self.total_steps()
         if self.gpus > self.tp * self.pp:
             self.gradient_bytes()
+
+    def max_replicas(self) -> float | None:
+        """The most data-parallel replicas the global batch splits into (a micro-batch holds at
+        least one sample): batch tokens / seq-len / micro-batches; None without both sizes."""
+        if self.batch_tokens and self.seq_len:
+            return self.batch_tokens / self.seq_len / self.microbatches
+        return None
 
     def stall_seconds(self) -> float:
         """Training time lost per checkpoint: the whole write (sync), or the snapshot (async)."""
@@ -301,8 +317,8 @@ def node_limit(spec: JobSpec) -> tuple[int, str]:
     ``samples per step / micro-batches`` data-parallel replicas (a micro-batch holds at least one
     sample), else the sweep's range."""
     limit, why = spec.max_nodes or MAX_SWEEP_NODES, "range"
-    if spec.batch_tokens and spec.seq_len:
-        max_dp = spec.batch_tokens / spec.seq_len / spec.microbatches
+    max_dp = spec.max_replicas()
+    if max_dp is not None:
         batch_nodes = int(max_dp * spec.tp * spec.pp // spec.gpus_per_node)
         if batch_nodes < limit:
             limit, why = max(batch_nodes, 1), "global batch"
