@@ -241,6 +241,28 @@ def test_summary_names_the_figures(monkeypatch, capsys):
         assert words in out
 
 
+def test_failures_without_a_checkpoint_cost_say_checkpoints_are_assumed_free(monkeypatch, capsys):
+    """With --mtbf-hours and the default --checkpoint-seconds 0 the model checkpoints continuously
+    at no cost (a failure loses its restart only), yet the summary said "checkpoints none
+    modelled", as if each failure re-ran its work since some checkpoint."""
+    argv = ["jct", "--params", "70G", "--tokens", "2T", "--batch-tokens", "4M", "--nodes", "128",
+            "--sustained-tflops", "400", "--tp", "8", "--pp", "4", "--microbatches", "16"]
+    code, out, _ = run_cli(monkeypatch, capsys, [*argv, "--mtbf-hours", "24"])
+    assert code == 0
+    assert ("  checkpoints             assumed free and continuous (a stall of 0 s each): a failure re-runs "
+            "no work; give --checkpoint-seconds for what one costs\n") in out
+    assert "none modelled" not in out and "with re-runs" not in out
+    est = run_json(monkeypatch, capsys, [*argv, "--mtbf-hours", "24"])["estimate"]
+    assert est["checkpoint_model"] == "free" and est["checkpoint_interval_seconds"] is None
+    assert est["failure_overhead_seconds"] == pytest.approx(est["expected_failures"] * est["restart_seconds"],
+                                                            rel=0.01)
+    code, out, _ = run_cli(monkeypatch, capsys, argv)  # no failures: no checkpoints either
+    assert "checkpoints             none modelled" in out
+    assert run_json(monkeypatch, capsys, argv)["estimate"]["checkpoint_model"] == "none"
+    est = run_json(monkeypatch, capsys, [*argv, "--mtbf-hours", "24", "--checkpoint-seconds", "30"])["estimate"]
+    assert est["checkpoint_model"] == "interval" and est["checkpoint_interval_seconds"] > 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--nodes", "4"], "--sustained-tflops is required"),
     (["--nodes", "4", "--sustained-tflops", "100"], "give the work"),

@@ -215,6 +215,8 @@ class Estimate:
     young_interval_seconds: float | None
     daly_interval_seconds: float | None
     checkpoint_overhead_seconds: float
+    checkpoint_model: str            # "interval": one every checkpoint_interval_seconds; "free":
+    #                                  continuous, at no cost (a stall of 0 with failures); "none"
     mtbf_seconds: float | None
     restart_seconds: float
     expected_failures: float
@@ -273,10 +275,12 @@ def estimate(spec: JobSpec, *, with_sync_wall: bool = True) -> Estimate:
         interval = fixed
     elif stall > 0 and mtbf:
         interval = young if spec.checkpoint_interval.lower() == "young" else daly
-    elif mtbf:
-        interval = None  # free checkpoints: lose (almost) nothing per failure
     else:
-        interval = None  # no failures modelled: checkpoints only where an interval is given
+        interval = None  # free checkpoints (a stall of 0, failures modelled), or none
+    # with failures and a checkpoint that stalls nothing, checkpoints are taken continuously: a
+    # failure re-runs no work and costs its restart only. The default --checkpoint-seconds 0 gets
+    # this, and the output says so ("none modelled" read as if failures re-ran their work)
+    model = "interval" if interval is not None else "free" if mtbf else "none"
     restart = spec.restart_seconds()
     tau = interval if interval is not None else math.inf
     ckpt_overhead = solve * stall / tau if math.isfinite(tau) else 0.0
@@ -302,7 +306,7 @@ def estimate(spec: JobSpec, *, with_sync_wall: bool = True) -> Estimate:
         allreduce_inter_seconds=inter, exposed_comm_seconds=exposed, step_seconds=step,
         solve_seconds=solve, checkpoint_stall_seconds=stall, checkpoint_interval_seconds=interval,
         young_interval_seconds=young, daly_interval_seconds=daly,
-        checkpoint_overhead_seconds=ckpt_overhead, mtbf_seconds=mtbf, restart_seconds=restart,
+        checkpoint_overhead_seconds=ckpt_overhead, checkpoint_model=model, mtbf_seconds=mtbf, restart_seconds=restart,
         expected_failures=failures, failure_overhead_seconds=fail_overhead,
         predicted_seconds=predicted, finishes=finishes, efficiency=eff,
         reading=reading(eff) if finishes else "the job cannot finish (failures outpace recovery)",
@@ -490,7 +494,7 @@ def summary(spec: JobSpec, e: Estimate) -> str:
         f"(intra {human_seconds(e.allreduce_intra_seconds)}, inter {human_seconds(e.allreduce_inter_seconds)}; "
         f"exposed {human_seconds(e.exposed_comm_seconds)}) = {human_seconds(e.step_seconds)}",
     ]
-    if e.checkpoint_interval_seconds:
+    if e.checkpoint_model == "interval":
         extra = ""
         if e.daly_interval_seconds:
             extra = (f" (Young {human_seconds(e.young_interval_seconds)}, "
@@ -498,6 +502,10 @@ def summary(spec: JobSpec, e: Estimate) -> str:
         lines.append(f"  checkpoints             every {human_seconds(e.checkpoint_interval_seconds)}{extra}, "
                      f"{spec.checkpoint_mode}, stall {human_seconds(e.checkpoint_stall_seconds)} each: "
                      f"{human_seconds(e.checkpoint_overhead_seconds)} in all")
+    elif e.checkpoint_model == "free":
+        give = "; give --checkpoint-seconds for what one costs" if not spec.checkpoint_seconds else ""
+        lines.append("  checkpoints             assumed free and continuous (a stall of 0 s each): a failure "
+                     f"re-runs no work{give}")
     else:
         lines.append("  checkpoints             none modelled")
     if e.mtbf_seconds and not e.finishes:
@@ -506,7 +514,8 @@ def summary(spec: JobSpec, e: Estimate) -> str:
                      "recovers and checkpoints")
     elif e.mtbf_seconds:
         lines.append(f"  failures                MTBF {human_seconds(e.mtbf_seconds)}: ~{e.expected_failures:,.1f} "
-                     f"expected, restart {human_seconds(e.restart_seconds)} each; with re-runs "
+                     f"expected, restart {human_seconds(e.restart_seconds)} each; "
+                     f"{'with re-runs ' if e.checkpoint_model == 'interval' else ''}"
                      f"{human_seconds(e.failure_overhead_seconds)} in all")
     else:
         lines.append("  failures                none modelled (give --mtbf-hours)")
