@@ -362,6 +362,12 @@ def _broken(run: dict, where: str) -> dict:
         run["steps"][5]["seconds"] = float("inf")
     elif where == "text checkpoint":
         run["steps"][5]["checkpoint"] = "5s"
+    elif where == "zero seconds":
+        run["steps"][5]["seconds"] = 0.0
+    elif where == "wait longer than the step":
+        run["steps"][5]["waits"][3] = run["steps"][5]["seconds"] * 5
+    elif where == "checkpoint longer than the step":
+        run["steps"][5]["checkpoint"] = run["steps"][5]["seconds"] + 1
     elif where == "restart without resume_step":
         del run["restarts"][0]["resume_step"]
     elif where == "text samples_per_step":
@@ -378,9 +384,15 @@ def restarts_run() -> dict:
     return recorded("restarts")
 
 
+STEP_5 = "step #5 (step 6)"  # the sixth step in the file is the run's step 6
+
+
 @pytest.mark.parametrize(("where", "field"), [
-    ("null wait", "step #5"), ("NaN wait", "step #5"), ("negative wait", "step #5"),
-    ("infinite seconds", "step #5"), ("text checkpoint", "step #5"), ("restart without resume_step", "restart #0"),
+    ("null wait", STEP_5), ("NaN wait", STEP_5), ("negative wait", STEP_5),
+    ("infinite seconds", STEP_5), ("text checkpoint", STEP_5), ("restart without resume_step", "restart #0"),
+    # a step of 0 s was a ZeroDivisionError in project and report; a wait or a checkpoint longer
+    # than its step read a sync tax above 100 %
+    ("zero seconds", STEP_5), ("wait longer than the step", STEP_5), ("checkpoint longer than the step", STEP_5),
     ("text samples_per_step", "samples_per_step"), ("hardware as a list", "hardware"),
     ("rank_node as text", "rank_node")])
 @pytest.mark.parametrize("command", ["diagnose", "project", "report"])

@@ -84,12 +84,24 @@ def load(path: str | Path) -> dict:
     if not isinstance(steps, list):
         raise bad("steps", "needs a list of steps")
     for i, st in enumerate(steps):
+        name = f"step #{i}" + (f" (step {st['step']})" if isinstance(st, dict) and "step" in st else "")
         ok = (isinstance(st, dict) and _number(st.get("t"), low=-math.inf) and _number(st.get("seconds"))
               and _number(st.get("checkpoint", 0.0)) and isinstance(st.get("waits"), list)
               and len(st["waits"]) == world and all(_number(w) for w in st["waits"]))
         if not ok:
-            raise bad(f"step #{i}", f"needs t, seconds ≥ 0, optional checkpoint ≥ 0 and {world} waits ≥ 0, "
+            raise bad(name, f"needs t, seconds > 0, optional checkpoint ≥ 0 and {world} waits ≥ 0, "
                                     "all finite numbers")
+        # a step takes time, and its waits and checkpoint are parts of it: a step of 0 s divided
+        # by zero in project and report, and a wait longer than its step read a sync tax of 525 %
+        if st["seconds"] <= 0:
+            raise bad(name, f"seconds is {st['seconds']}: a step lasts more than 0 s")
+        longest = max(range(world), key=lambda r: st["waits"][r])
+        if st["waits"][longest] > st["seconds"]:
+            raise bad(name, f"rank {longest} waits {st['waits'][longest]} s in a step of {st['seconds']} s: "
+                            "a wait is part of its step")
+        if st.get("checkpoint", 0.0) > st["seconds"]:
+            raise bad(name, f"checkpoint of {st['checkpoint']} s in a step of {st['seconds']} s: a checkpoint "
+                            "is part of its step")
     steps.sort(key=lambda st: st["t"] + st["seconds"])
     restarts = run.get("restarts") or []
     if not isinstance(restarts, list):
