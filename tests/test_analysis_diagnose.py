@@ -304,6 +304,31 @@ def test_a_recorded_checkpoint_costs_its_steps_checkpoint_time():
     assert f"{len(saves)} in range" in cost["reading"]
 
 
+def test_window_sets_a_recorded_runs_windows(tmp_path, monkeypatch):
+    """``--window`` was read from Prometheus only: a recorded run was cut into windows of 10 mean
+    steps whatever it asked (reports at --window 15, 100 and 300 were the same file). It is now
+    the shortest window there too, never fewer than 10 mean steps."""
+    from syncwatch import cli
+    from syncwatch.analysis.source import view_from_args
+    monkeypatch.setattr(cli, "SUBCOMMANDS", {"diagnose": cli.SUBCOMMANDS["diagnose"]})
+    run = recorded("healthy")
+    path = tmp_path / "run.json"
+    recording.save(run, path)
+
+    def view(*flags):
+        return view_from_args(cli.build_parser().parse_args(["diagnose", "--input", str(path), *flags]))[0]
+
+    mean_step = sum(s["seconds"] for s in run["steps"]) / len(run["steps"])
+    default = view()
+    span = default.end - default.start
+    assert default.window == pytest.approx(span / int(span // (10 * mean_step)))
+    wide = view("--window", "100")
+    assert wide.window >= 100 and len(wide.times) == int(span // 100)
+    assert view("--window", "1").window == default.window  # never fewer than 10 mean steps
+    monkeypatch.setenv("SYNCWATCH_ANALYSIS_WINDOW", "100")
+    assert view().window == wide.window
+
+
 def test_cli_offline_json_and_summary(tmp_path, monkeypatch, capsys):
     path = tmp_path / "run.json"
     recording.save(recorded("restarts"), path)

@@ -135,14 +135,17 @@ def select(run: dict, start: float | None, end: float | None) -> list[dict]:
     return [s for s in run["steps"] if lo <= s["t"] + s["seconds"] <= hi]
 
 
-def to_view(run: dict, source: str, start: float | None = None, end: float | None = None) -> JobView:
+def to_view(run: dict, source: str, start: float | None = None, end: float | None = None,
+            min_window: float | None = None) -> JobView:
+    """The run's steps that ended in [start, end] as a view, in windows of at least ``min_window``
+    seconds (``--window``) and of at least ``MIN_WINDOW_STEPS`` mean steps."""
     steps = select(run, start, end)
     if not steps:
         raise AnalysisError(f"{source}: no step of {run.get('job')!r} ends in the time range (empty range)")
     t0 = steps[0]["t"] if start is None else start
     t1 = steps[-1]["t"] + steps[-1]["seconds"] if end is None else end
     mean_step = sum(s["seconds"] for s in steps) / len(steps)
-    width, times = windows(t0, t1 + 1e-9, MIN_WINDOW_STEPS * mean_step)
+    width, times = windows(t0, t1 + 1e-9, max(min_window or 0.0, MIN_WINDOW_STEPS * mean_step))
     world = len(run["rank_node"])
     n = len(times)
     per_rank = {name: {r: [0.0] * n for r in range(world)}

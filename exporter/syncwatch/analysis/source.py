@@ -10,6 +10,10 @@ from .common import AnalysisError
 from .prom import Prometheus
 from .view import JobView, from_prometheus, parse_time
 
+# the shortest window from Prometheus unless --window says otherwise: a recorded run's default
+# is its own (MIN_WINDOW_STEPS steps), which a fixed number of seconds would override
+PROMETHEUS_WINDOW = 15.0
+
 
 def add_source_flags(p) -> None:
     cli.add_flag(p, "--prometheus", default=None,
@@ -29,8 +33,11 @@ def add_source_flags(p) -> None:
     cli.add_flag(p, "--end", default="now", help="range end: now, now-5m, unix seconds or RFC 3339")
     # not SYNCWATCH_WINDOW: that is the daemon's window in steps, and one exported for either
     # command would silently change the other
-    cli.add_flag(p, "--window", type=float, default=15.0, env="SYNCWATCH_ANALYSIS_WINDOW",
-                 help="shortest analysis window, seconds (raised to 2.5 of the job's scrape intervals)")
+    cli.add_flag(p, "--window", type=float, default=None, env="SYNCWATCH_ANALYSIS_WINDOW",
+                 help=f"shortest analysis window, seconds (from Prometheus: {PROMETHEUS_WINDOW:g} if not "
+                      "given, raised to 2.5 of the job's scrape intervals and 4 of its skew-exchange "
+                      f"periods; from a recorded run: {recording.MIN_WINDOW_STEPS} of its mean steps if "
+                      "not given, and never fewer)")
     cli.add_flag(p, "--input", default=None,
                  help="a recorded run (syncwatch-run/1 JSON) instead of Prometheus")
     cli.add_flag(p, "--json", action="store_true", help="print JSON instead of the summary")
@@ -38,7 +45,7 @@ def add_source_flags(p) -> None:
 
 def view_from_args(args) -> tuple[JobView, dict | None]:
     """The job view, and the recorded run itself when read from ``--input``."""
-    if not (math.isfinite(args.window) and args.window > 0):
+    if args.window is not None and not (math.isfinite(args.window) and args.window > 0):
         raise AnalysisError(f"--window must be a positive number of seconds (got {args.window})")
     if args.input and args.prometheus:
         raise AnalysisError("give either --prometheus or --input, not both")
@@ -50,13 +57,14 @@ def view_from_args(args) -> tuple[JobView, dict | None]:
         # taken along with a given --end would lie long after a run recorded earlier
         start = parse_time(args.start) if args.start != "now-1h" else None
         end = parse_time(args.end) if args.end != "now" else None
-        return recording.to_view(run, args.input, start, end), run
+        return recording.to_view(run, args.input, start, end, args.window), run
     if not args.prometheus:
         raise AnalysisError("give --prometheus URL (with --job) or --input FILE")
     if not args.job:
         raise AnalysisError("--job (the train_job label) is required with --prometheus")
     start, end = parse_time(args.start), parse_time(args.end)
-    return from_prometheus(prometheus_from_args(args), args.job, start, end, args.window), None
+    window = PROMETHEUS_WINDOW if args.window is None else args.window
+    return from_prometheus(prometheus_from_args(args), args.job, start, end, window), None
 
 
 def prometheus_from_args(args) -> Prometheus:
