@@ -200,6 +200,18 @@ def test_a_range_shorter_than_one_exchange_period_is_refused(prom, monkeypatch, 
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("span", [0.3, 0.999])
+def test_a_sub_second_range_is_too_short(prom, span, monkeypatch, capsys):
+    """A range under half a second was asked of Prometheus as ``[0s]``, and its HTTP 400 ("duration
+    must be greater than 0") passed through as the error; one under a second holds no two scrapes."""
+    code, out, err = run_cli(monkeypatch, capsys, [
+        "diagnose", "--prometheus", prom, "--job", "steady", "--start", f"{T0 + 300}", "--end", f"{T0 + 300 + span}"])
+    assert code == 2 and out == ""
+    assert err == (f"syncwatch diagnose: error: time range too short: {span:.3g} s between --start and --end; "
+                   "give at least 1 s, and a few scrape intervals for a reading (a counter's increase needs "
+                   "two scrapes in range)\n")
+
+
 def test_project_measures_the_counters(prom, monkeypatch, capsys):
     """``project`` from Prometheus measures what the counters hold: 2 nodes of 2 ranks, 1 s
     steps of 0.8 s compute, a 0.15 s collective (sync less slack) and 5 % coupling; its per-rank

@@ -53,6 +53,10 @@ HARDWARE = {
 CONGESTION_SERIES = ("ib_xmit_wait_rate", "roce_congestion_rate")
 BYTES_SERIES = ("ib_bytes_rate", "net_bytes_rate")
 MAX_WINDOWS = 60
+# the shortest range asked of Prometheus: its range selectors here count whole seconds, and one
+# under half a second read [0s], which Prometheus answered with HTTP 400 ("duration must be
+# greater than 0"); a range that short holds no two scrapes anyway
+MIN_RANGE = 1.0
 # increase() needs two samples in a window: a window shorter than two scrape intervals holds one
 # in most places and reads as no steps there. Two and a half keep two whatever the scrape jitter.
 SCRAPES_PER_WINDOW = 2.5
@@ -281,6 +285,10 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
                     min_window: float = 15.0) -> JobView:
     windows(start, end, min_window)  # an empty range is refused before asking anything
     span = end - start
+    if span < MIN_RANGE:
+        raise AnalysisError(f"time range too short: {span:.3g} s between --start and --end; give at least "
+                            f"{MIN_RANGE:g} s, and a few scrape intervals for a reading (a counter's increase "
+                            "needs two scrapes in range)")
     sel = f"train_job={quote(job)}"
     info = prom.query(f"max by (rank, node, instance) (max_over_time(syncwatch_rank_info{{{sel}}}[{span:.0f}s]))", end)
     if not info:
