@@ -84,8 +84,8 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kw) -> 
 
 def _from_env(env: str, raw: str, conv, choices):
     """A twin's value as its flag would take it, checked as argparse checks a flag's (a value
-    its ``type`` refuses, one outside ``choices``), else an ``EnvError``. argparse checks neither
-    on a default: ``SYNCWATCH_SCALING=Strong`` was taken as a scaling mode that was neither."""
+    its ``type`` refuses, one outside ``choices``), else an ``EnvError``. argparse checks no
+    default against ``choices``: ``SYNCWATCH_SCALING=Strong`` ran as neither weak nor strong."""
     try:
         value = conv(raw)
     except (TypeError, ValueError, argparse.ArgumentTypeError) as e:

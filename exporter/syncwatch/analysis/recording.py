@@ -90,7 +90,7 @@ def load(path: str | Path) -> dict:
               and len(st["waits"]) == world and all(_number(w) for w in st["waits"]))
         if not ok:
             raise bad(name, f"needs t, seconds > 0, optional checkpoint ≥ 0 and {world} waits ≥ 0, "
-                                    "all finite numbers")
+                            "all finite numbers")
         # a step takes time, and its waits and checkpoint are parts of it: a step of 0 s divided
         # by zero in project and report, and a wait longer than its step read a sync tax of 525 %
         if st["seconds"] <= 0:
