@@ -108,6 +108,14 @@ def pausing(c: Ctx, by: str) -> str:
             f" < {c.seconds(c.windows.pause_allowance)}")
 
 
+# The ranks that report and have not ended: after its end record (any reason) a rank's series stay
+# for the daemon's --job-grace (120 s), its last step and phase frozen. A job whose last step came
+# minutes before its end (a final save or evaluation, then its teardown) made "no step for 5m,
+# ranks report" true there, and JobStalled paged for a job that had completed.
+LIVE_RANKS = ("syncwatch_rank_info\n  unless on (train_job, rank)\n"
+              "  syncwatch_rank_end_timestamp_seconds")
+
+
 def progress(c: Ctx) -> list[dict]:
     w, t = c.windows, c.thresholds
     return [
@@ -120,7 +128,7 @@ def progress(c: Ctx) -> list[dict]:
               f"    {c.seconds(w.stall_min)}\n  ) >= 0\n"
               f"  or on (train_job)\n"
               f"  0 * group by (train_job) (syncwatch_rank_info) + {c.seconds(w.stall_min)}\n)\n"
-              f"and on (train_job)\ngroup by (train_job) (syncwatch_rank_info)\n"
+              f"and on (train_job)\ngroup by (train_job) (\n  {LIVE_RANKS}\n)\n"
               f"unless on (train_job)\n{pausing(c, 'train_job')}",
               w.for_stall, "critical",
               "A train job makes no progress although its ranks are alive.",
@@ -131,7 +139,7 @@ def progress(c: Ctx) -> list[dict]:
         # a rank's step timestamp exists from its process's first step on: before it (a job that
         # hangs in its start, or again after a restart) JobStalled has no time to measure from
         alert(c, "SyncwatchJobStuckAtStart",
-              "count by (train_job) (max by (train_job, rank) (syncwatch_rank_info))\n"
+              f"count by (train_job) (max by (train_job, rank) (\n  {LIVE_RANKS}\n))\n"
               "unless on (train_job)\n"
               "group by (train_job) (syncwatch_last_step_timestamp_seconds)\n"
               f"unless on (train_job)\n{pausing(c, 'train_job')}",
