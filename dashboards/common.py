@@ -32,9 +32,12 @@ ON_NODE = ('* on (train_job, rank) group_left (node) '
            'topk by (train_job, rank) (1, syncwatch_rank_info{train_job="$train_job", node=~"$node"})')
 
 #: Multiplying a hardware series (scraped from a node daemon) by this adds the node name of that
-#: daemon's ranks and keeps only the daemons that run ranks of the selected job and nodes.
+#: daemon's ranks and keeps only the daemons that run ranks of the selected job and nodes. One
+#: series per daemon, as the alerts join (``topk by (instance, uuid)``): where one daemon's ranks
+#: report two node names (Kubernetes without NODE_NAME, two training pods on a node: each names
+#: its pod), one per (instance, node) made the join many-to-many and every hardware panel failed.
 ON_DAEMON = ('* on (instance) group_left (node) '
-             'max by (instance, node) (syncwatch_rank_info{train_job="$train_job", node=~"$node"})')
+             'topk by (instance) (1, syncwatch_rank_info{train_job="$train_job", node=~"$node"})')
 
 
 def estimated(record: str) -> str:

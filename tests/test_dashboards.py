@@ -436,3 +436,32 @@ def test_restart_panels_count_a_restart_that_moved_rank_0_to_another_node(tmp_pa
         (expr("syncwatch-efficiency", "Re-run ratio", "A"), "50m",
          [{"labels": '{train_job="j"}', "value": 0.11}]),
     ], rule_files=RECORDING_RULES)
+
+
+def _hardware_daemons(node_a: tuple[str, ...]) -> dict[str, str]:
+    """Daemon a (one GPU) whose ranks of job ``j`` report the node names ``node_a``, daemon b (one
+    GPU) with one rank on node b; both GPUs at 50 °C."""
+    series = {}
+    for i, node in enumerate(node_a):
+        series[f'syncwatch_rank_info{{train_job="j", rank="{i}", local_rank="{i}", node="{node}", '
+               f'gpu="0", uuid="GPU-a0", pid="{i + 1}", instance="a:9477"}}'] = "1x20"
+    series['syncwatch_rank_info{train_job="j", rank="9", local_rank="0", node="b", gpu="0", '
+           'uuid="GPU-b0", pid="9", instance="b:9477"}'] = "1x20"
+    for inst in ("a", "b"):
+        series[f'syncwatch_gpu_temperature_celsius{{gpu="0", uuid="GPU-{inst}0", instance="{inst}:9477"}}'] = "50x20"
+    return series
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus)")
+def test_hardware_panels_join_a_daemon_whose_ranks_report_two_node_names(tmp_path):
+    """On Kubernetes without NODE_NAME each training pod names its own pod as the node: one daemon
+    then serves ranks with two node values. The panels' join kept one series per (instance, node),
+    matched two for that daemon's GPU ("many-to-many matching not allowed") and every hardware
+    panel failed; it keeps one per daemon, as the alerts do, and the node filter still picks it."""
+    uid, title = "syncwatch-hardware", "GPU temperature"
+    _promtool_expect(tmp_path, _hardware_daemons(("pod-a", "pod-b")), [
+        (f"count({_panel_expr(uid, title, node=None)})", "2m", [{"labels": "{}", "value": 2}]),
+        (_panel_expr(uid, title, node=["pod-b"]), "2m",
+         [{"labels": '{node="pod-b", gpu="0"}', "value": 50}]),
+        (_panel_expr(uid, title, node=["b"]), "2m", [{"labels": '{node="b", gpu="0"}', "value": 50}]),
+    ])
