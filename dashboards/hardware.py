@@ -11,6 +11,8 @@ from grafana_foundation_sdk.builders import statetimeline, table, timeseries
 from grafana_foundation_sdk.builders import common as cb
 from grafana_foundation_sdk.models import common as cm
 
+from syncwatch.rules.thresholds import THRESHOLDS
+
 from .common import (JOB, ON_DAEMON, ON_NODE, RATE, dashboard, legend_table, node_variable,
                      panel, query, thresholds, train_job_variable)
 
@@ -94,10 +96,16 @@ def build() -> db.Dashboard:
             .legend(legend_table("mean", "max")))
         .with_panel(
             panel(statetimeline.Panel(), "GPU throttle reasons",
-                  "Clock event reasons per node: 1 while any GPU of the node is throttled for that "
-                  "reason. thermal / hw_slowdown on the node with the late ranks is the hardware "
-                  "cause; power_cap on all nodes is a site setting, not a straggler.",
-                  query(f'max by (node, reason) (syncwatch_gpu_throttle_active {ON_DAEMON})',
+                  "Clock event reasons that slow a GPU down, per node: 1 (red) while any GPU of "
+                  "the node is throttled for that reason: thermal (sw_thermal, hw_thermal), "
+                  "hardware (hw_slowdown, power_brake) or its power limit (power_cap), the "
+                  "reasons the throttling alerts read. sw_thermal / hw_thermal / hw_slowdown on "
+                  "the node with the late ranks is the hardware cause; power_cap on all nodes is "
+                  "a site setting, not a straggler. Benign clock events (gpu_idle, "
+                  "applications_clocks, sync_boost, display_clock) and the aggregate thermal (either "
+                  "thermal reason) are left out.",
+                  query(f'max by (node, reason) (syncwatch_gpu_throttle_active'
+                        f'{{reason=~"{THRESHOLDS.throttle_reasons}"}} {ON_DAEMON})',
                         "{{node}} {{reason}}"),
                   w=16)
             .merge_values(True).show_value(cm.VisibilityMode.NEVER)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -465,3 +466,26 @@ def test_hardware_panels_join_a_daemon_whose_ranks_report_two_node_names(tmp_pat
          [{"labels": '{node="pod-b", gpu="0"}', "value": 50}]),
         (_panel_expr(uid, title, node=["b"]), "2m", [{"labels": '{node="b", gpu="0"}', "value": 50}]),
     ])
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus)")
+def test_throttle_reasons_show_only_the_reasons_that_slow_a_gpu_down(tmp_path):
+    """A healthy GPU reports benign clock events (idle, application clocks, sync boost, display
+    clock): the state timeline showed them red beside the real throttling, and the aggregate
+    ``thermal`` twice over its parts. It shows the reasons the throttling alerts read, red only
+    where they are active."""
+    from syncwatch.rules.thresholds import THRESHOLDS as T
+
+    slowdowns = T.throttle_reasons.split("|")
+    series = _hardware_daemons(("a",))
+    active = {"a": {"gpu_idle", "applications_clocks", "sync_boost", "display_clock"},
+              "b": {"sw_thermal", "thermal"}}
+    for inst, on in active.items():
+        for reason in (*slowdowns, "gpu_idle", "applications_clocks", "sync_boost", "display_clock", "thermal"):
+            series[f'syncwatch_gpu_throttle_active{{gpu="0", uuid="GPU-{inst}0", reason="{reason}", '
+                   f'instance="{inst}:9477"}}'] = f"{int(reason in on)}x20"
+    expected = [{"labels": f'{{node="{node}", reason="{reason}"}}', "value": int(reason in on)}
+                for node, on in active.items() for reason in slowdowns]
+    _promtool_expect(tmp_path, series, [
+        (_panel_expr("syncwatch-hardware", "GPU throttle reasons", node=None), "2m", expected)])
+
