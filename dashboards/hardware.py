@@ -92,8 +92,18 @@ def build() -> db.Dashboard:
                   "Power draw per GPU. A GPU at its power cap (see throttle reasons) or drawing "
                   "much less than its peers while they wait is the one holding them back.",
                   query(_gpu("syncwatch_gpu_power_watts"), "{{node}} gpu {{gpu}}"),
-                  unit="watt", w=8)
+                  unit="watt")
             .legend(legend_table("mean", "max")))
+        .with_panel(
+            panel(timeseries.Panel(), "GPU utilization",
+                  "Share of time each GPU ran a kernel (NVML, over its last sample period). A "
+                  "GPU much less busy than its peers is fed too slowly (data loading, CPU "
+                  "contention on its node); all near 0 while the ranks still report: no kernels "
+                  "run (a stall, or a pause on the host). NCCL's kernels count as busy while they "
+                  "wait at the barrier, so a waiting GPU does not read idle.",
+                  query(_gpu("syncwatch_gpu_utilization_ratio"), "{{node}} gpu {{gpu}}"),
+                  unit="percentunit")
+            .min(0).max(1).legend(legend_table("mean", "min")))
         .with_panel(
             panel(statetimeline.Panel(), "GPU throttle reasons",
                   "Clock event reasons that slow a GPU down, per node: 1 (red) while any GPU of "
@@ -107,7 +117,7 @@ def build() -> db.Dashboard:
                   query(f'max by (node, reason) (syncwatch_gpu_throttle_active'
                         f'{{reason=~"{THRESHOLDS.throttle_reasons}"}} {ON_DAEMON})',
                         "{{node}} {{reason}}"),
-                  w=16)
+                  w=24)
             .merge_values(True).show_value(cm.VisibilityMode.NEVER)
             .thresholds(thresholds((None, "green"), (1, "red"))))
         .with_row(db.Row("Fabric beside sync tax"))

@@ -153,12 +153,29 @@ def build() -> db.Dashboard:
                   "step less the rank's own checkpoint and eval time. Synchronous ranks share one "
                   "step time, so the lines agree, unless ranks waited through a peer's checkpoint "
                   "or evaluation (rank 0 saving alone): those waits are the worst rank's, which "
-                  "the alerts leave out by reading the least disturbed rank. Growth is the early "
-                  "sign of coupling.",
-                  query(f'train_job:syncwatch_step_cv:min{{{JOB}}}', "least disturbed rank (alerts)"),
+                  "the alerts leave out by reading the least disturbed rank. The variance alert "
+                  "reads its 5 m average: it pages above "
+                  f"{THRESHOLDS.cv_page:g}, or above {THRESHOLDS.cv_growth_min:g} at "
+                  f"{THRESHOLDS.cv_growth_page:g}x the baseline (that average 10-40 m earlier, no "
+                  "value in a job's first 10 m). Growth is the early sign of coupling.",
+                  query(f'train_job:syncwatch_step_cv:min{{{JOB}}}', "least disturbed rank"),
                   query(f'max by (train_job) (syncwatch_step_cv{{{JOB}}})', "worst rank"),
-                  unit="percentunit", w=8)
+                  query(f'train_job:syncwatch_step_cv:avg5m{{{JOB}}}', "5m average (alert)"),
+                  query(f'train_job:syncwatch_step_cv:baseline{{{JOB}}}', "baseline (10-40m ago)"),
+                  unit="percentunit")
             .min(0))
+        .with_panel(
+            panel(timeseries.Panel(), "Step time autocorrelation",
+                  "Lag-1 autocorrelation of step time over each rank's last W steps (as for the CV: "
+                  "less checkpoint and eval time, without the first step), and the job's average "
+                  "over its ranks, which the oscillation alert reads: it warns below "
+                  f"-{THRESHOLDS.oscillation_warn:g}. Near 0 is healthy; strongly negative means fast "
+                  "and slow steps alternate; strongly positive, slow stretches lasting several "
+                  "steps. Ranks split into two groups of lines point at groups taking turns to wait.",
+                  query(f'train_job:syncwatch_step_autocorrelation:avg{{{JOB}}}', "job average (alert)"),
+                  query(f'syncwatch_step_autocorrelation{{{JOB}}}', "rank {{rank}}"),
+                  unit="short")
+            .min(-1).max(1).legend(legend_table("mean", "min", "lastNotNull")))
         .with_panel(
             panel(timeseries.Panel(), "Sync tax and barrier skew",
                   "Share of step time inside synchronization, and the mean barrier skew (spread of "
@@ -167,7 +184,7 @@ def build() -> db.Dashboard:
                   "the skew is an estimate: the spread of the ranks' mean waits (a lower bound).",
                   query(f'train_job:syncwatch_sync_tax:ratio5m{{{JOB}}}', "sync tax"),
                   query(f'train_job:syncwatch_skew_step:ratio5m{{{JOB}}}', "skew / step"),
-                  unit="percentunit", w=8)
+                  unit="percentunit", w=12)
             .min(0))
         .with_panel(
             panel(timeseries.Panel(), "Barrier skew",
@@ -177,7 +194,7 @@ def build() -> db.Dashboard:
                   "(a lower bound), and p99 has no value.",
                   query(f'train_job:syncwatch_barrier_skew_seconds:mean5m{{{JOB}}}', "mean"),
                   query(f'train_job:syncwatch_barrier_skew_seconds:p99_5m{{{JOB}}}', "p99"),
-                  unit="s", w=8)
+                  unit="s", w=12)
             .min(0))
         .with_row(db.Row("Restarts and alerts"))
         .with_panel(

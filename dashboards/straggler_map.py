@@ -126,12 +126,21 @@ def build() -> db.Dashboard:
                   unit="short")
             .min(0).legend(legend_table("max", "lastNotNull").sort_by("Last *").sort_desc(True)))
         .with_panel(
+            panel(timeseries.Panel(), "Last step per rank",
+                  "Number of the last step each rank completed. Lines climb together in a "
+                  "running job; flat lines while the ranks still report (Current phase per rank) "
+                  "are a stall, and a rank whose line stops below the others' is the one behind. "
+                  "A restart drops a line to the step the job resumed from.",
+                  query(f'syncwatch_last_step{{{RANKS}}} {ON_NODE}', "rank {{rank}}"),
+                  unit="short")
+            .legend(legend_table("min", "lastNotNull").sort_by("Last *")))
+        .with_panel(
             panel(table.Panel(), "Current phase per rank",
                   "Each rank's phase at its last heartbeat and how long it has been in it. A stuck "
                   "job shows most ranks in sync for minutes and the rank behind elsewhere (data, "
                   "forward, checkpoint...): that rank is the one to inspect.",
                   query(f'syncwatch_rank_phase_elapsed_seconds{{{RANKS}}} {ON_NODE}',
                         instant=True, table=True),
-                  unit="s")
+                  unit="s", w=24)
             .sort_by([cb.TableSortByFieldState().display_name("Value").desc(True)]))
     )

@@ -489,3 +489,40 @@ def test_throttle_reasons_show_only_the_reasons_that_slow_a_gpu_down(tmp_path):
     _promtool_expect(tmp_path, series, [
         (_panel_expr("syncwatch-hardware", "GPU throttle reasons", node=None), "2m", expected)])
 
+
+RUNBOOK = ROOT / "docs" / "runbook.md"
+#: Dashboard titles as the runbook names them ("syncwatch / Job overview" -> "Job overview").
+_BY_TITLE = {d["title"].removeprefix("syncwatch / "): d for d in DASHBOARDS.values()}
+#: "Dashboard › *Panel*[, *Panel* and *Panel*] [(what they show)]", wrapped anywhere.
+_PANEL_REF = re.compile(
+    r"(" + "|".join(r"\s+".join(map(re.escape, t.split())) for t in _BY_TITLE) + r")\s+›\s+"
+    r"((?:\*[^*]+\*(?:,\s+|\s+and\s+)?)+)(?:\s*\(((?:[^()]|\([^()]*\))*)\))?")
+_SERIES = re.compile(r"`((?:[a-z_]+:)?syncwatch_[a-z0-9_]+(?::[a-z0-9_]+)?)`")
+
+
+def test_runbook_names_panels_that_exist_and_the_series_they_show():
+    """Every "Confirm:" and "Act:" paragraph of the runbook that sends the on-call engineer to a
+    panel names it as *Dashboard › Panel*, the panel exists, and each series the runbook says it
+    shows (in backticks, in the parentheses after it) is one of the panel's queries. The runbook
+    sent them to a "progress panel", a "step-time panel at full resolution" and a CV panel showing
+    the alert's 5m average against its baseline, none of which any dashboard had."""
+    text = RUNBOOK.read_text()
+    refs = 0
+    for para in re.split(r"\n\s*\n", text):
+        if not para.startswith(("Confirm:", "Act:")):
+            continue
+        found = list(_PANEL_REF.finditer(para))
+        if re.search(r"\bpanels?\b|\bdashboard", para.replace("no panel", "")):
+            assert found, f"names a panel without *Dashboard › Panel*: {para[:120]!r}"
+        for m in found:
+            board = _BY_TITLE[" ".join(m[1].split())]
+            titles = {p["title"]: p for p in queries.panels(board)}
+            shown = ""
+            for title in re.findall(r"\*([^*]+)\*", m[2]):
+                title = " ".join(title.split())
+                assert title in titles, f"{board['title']} has no panel {title!r}"
+                shown += " ".join(t["expr"] for t in titles[title]["targets"])
+                refs += 1
+            for name in _SERIES.findall(m[3] or ""):
+                assert name in shown, f"{m[0]!r}: {name} is not on the panel"
+    assert refs >= 30
