@@ -210,10 +210,14 @@ def test_installed_by_debians_system_pip_it_finds_its_data_under_usr_local(tmp_p
     looked in /usr/share/syncwatch. Installed here in a private mount namespace, over an empty
     /usr/local."""
     debian = "/usr/bin/python3"
-    scheme = subprocess.run([debian, "-c", "import sysconfig; print(sysconfig.get_default_scheme())"],
-                            capture_output=True, text=True) if Path(debian).is_file() else None
-    if scheme is None or scheme.stdout.strip() != "posix_local":
-        pytest.skip("needs Debian's /usr/bin/python3 (its posix_local install scheme)")
+    probe = ("import sys, sysconfig; "
+             "print(sysconfig.get_default_scheme(), *sys.version_info[:2])")
+    scheme = subprocess.run([debian, "-c", probe], capture_output=True, text=True
+                            ) if Path(debian).is_file() else None
+    mine = "posix_local {} {}".format(*sys.version_info[:2])
+    if scheme is None or scheme.stdout.strip() != mine:  # the wheel is built for this Python
+        pytest.skip(f"needs Debian's /usr/bin/python3 (its posix_local install scheme) of this "
+                    f"Python's version, {sys.version_info[0]}.{sys.version_info[1]}")
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("needs root and unshare (util-linux) for a mount namespace")
     deps = "\n".join(p for p in sys.path if p.endswith("site-packages"))
