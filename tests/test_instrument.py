@@ -1729,6 +1729,44 @@ def test_zero_code_numbers_the_steps_on_from_the_optimizer_state_a_job_resumes_f
     assert all(r.totals.internal_errors == 0 for r in recs)
 
 
+@pytest.mark.parametrize("script", [
+    # the explicit API under syncwatch-run, init() after the model: zero-code mode stood down
+    "model = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+    "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    "sw.init()\n"
+    "train(model, opt)\n"
+    "sw.shutdown()\n"
+    "models = [model]\n",
+    # two runs, each in a process group of its own: the first run's steps were stopped
+    "models = []\n"
+    "for run in range(2):\n"
+    "    if run:\n"
+    "        dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+    "    model = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+    "    train(model, torch.optim.SGD(model.parameters(), lr=0.1))\n"
+    "    models.append(model)\n"
+    "    dist.destroy_process_group()\n",
+], ids=["explicit-api-shut-down", "a-second-process-group"])
+def test_zero_code_leaves_a_model_alone_once_its_monitor_is_shut_down(rx, script):
+    """Forwards, a backward and a step after the monitor is gone: zero-code mode does nothing.
+    Its hooks took a stopped monitor (None) for the current one (None too, once shut down) and
+    called into it: AttributeError in the script's forward."""
+    out = run_zero_code(rx, "def train(model, opt):\n"
+                            "    for _ in range(2):\n"
+                            "        model(torch.randn(4, 8)).sum().backward()\n"
+                            "        opt.step(); opt.zero_grad()\n"
+                            + script +
+                            "for model in models:\n"
+                            "    model.eval()\n"
+                            "    with torch.no_grad():\n"
+                            "        model(torch.randn(2, 8))\n"
+                            "    model.train()\n"
+                            "    model.module(torch.randn(2, 8)).sum().backward()\n"
+                            "    torch.optim.SGD(model.parameters(), lr=0.1).step()\n"
+                            "print('ok')\n", imports="import syncwatch.instrument as sw\n")
+    assert out.strip().splitlines()[-1] == "ok"
+
+
 def test_zero_code_counts_a_closure_s_batch_once_however_often_it_evaluates_it(rx):
     """LBFGS evaluates its closure (forward and backward of the same batch) up to ``max_iter``
     times in one ``step()``: each evaluation counted the batch again, 5 x 5 samples a step here

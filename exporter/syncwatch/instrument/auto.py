@@ -226,8 +226,8 @@ def _patch_optimizer_module(module) -> None:
             if n is not None:
                 _loaded[self] = n
         except Exception:
-            if _steps is not None and _steps.m is not None:
-                _steps.m._error()
+            if _steps is not None:
+                _steps.error()
         return out
 
     load_state_dict._syncwatch_original = orig
@@ -303,7 +303,7 @@ class _Steps:
             self.cur.__enter__()
 
     def forward_pre(self, model, args, kwargs):
-        if _state.monitor is not self.m:
+        if self.m is None or _state.monitor is not self.m:
             return
         try:
             self.in_eval = not self.grad_enabled()
@@ -328,14 +328,14 @@ class _Steps:
                 self.m.next_micro_batch()
             self.switch("forward")
         except Exception:
-            self.m._error()
+            self.error()
 
     def forward_post(self):
-        if _state.monitor is self.m and not self.in_eval:
+        if self.m is not None and _state.monitor is self.m and not self.in_eval:
             self.switch("backward")
 
     def optimizer_pre(self, optimizer, args, kwargs):
-        if _state.monitor is not self.m:
+        if self.m is None or _state.monitor is not self.m:
             return
         if self.optimizer() is None:
             self.optimizer = weakref.ref(optimizer)
@@ -349,7 +349,7 @@ class _Steps:
             self.switch("optimizer")
 
     def optimizer_post(self, optimizer, args, kwargs):
-        if _state.monitor is not self.m:
+        if self.m is None or _state.monitor is not self.m:
             return
         if self.optimizer() is not optimizer:
             # and what follows it until the next forward (zero_grad, loading) is ``data``, as
@@ -364,17 +364,25 @@ class _Steps:
     def scaler_skipped(self, optimizer):
         """A ``GradScaler.step(optimizer)`` that skipped the optimizer's ``step()`` (inf or NaN
         gradients): the iteration still ends, as if it had stepped."""
-        if _state.monitor is not self.m:
+        if self.m is None or _state.monitor is not self.m:
             return
         if self.optimizer() is None:
             self.optimizer = weakref.ref(optimizer)
         if self.optimizer() is optimizer:
             self.end_step()
 
+    def error(self) -> None:
+        """Count an internal error with the monitor, where there still is one."""
+        m = self.m
+        if m is not None:
+            m._error()
+
     def stop(self) -> None:
         """Stop driving the phases: the current one ends, the optimizer hooks go, and every
-        other hook finds ``m`` (None) not the current monitor and does nothing. The monitor
-        marks no more backward ends (a script that calls ``init()`` itself goes on with it)."""
+        other hook finds ``m`` None and does nothing (checked before the current monitor: once
+        the script's own monitor is shut down too, both are None, and a forward after that went
+        on into ``None.phase``). The monitor marks no more backward ends (a script that calls
+        ``init()`` itself goes on with it)."""
         self.switch(None)
         for handle in self.hooks:
             handle.remove()
@@ -388,7 +396,7 @@ class _Steps:
         thread (an asynchronous checkpointer's), or a save within a save (DCP's writer calls
         ``torch.save`` per item: each one ended and began the checkpoint again, and counted one,
         3 for one ``dcp.save`` on one rank and 7 on the other)."""
-        if (_state.monitor is not self.m or self.cur is None
+        if (self.m is None or _state.monitor is not self.m or self.cur is None
                 or threading.get_ident() != self.thread):
             return None
         interrupted = self.cur
@@ -400,7 +408,8 @@ class _Steps:
     def save_end(self, interrupted):
         """Back to the ``interrupted`` phase, unless the save switched the phase itself (ran a
         forward)."""
-        if _state.monitor is self.m and self.cur is self.m.phase("checkpoint"):
+        if (self.m is not None and _state.monitor is self.m
+                and self.cur is self.m.phase("checkpoint")):
             self.cur.__exit__(None, None, None)
             self.cur = interrupted
             interrupted.__enter__()
@@ -459,7 +468,7 @@ def _patch_grad_scaler_module(module) -> None:
             try:
                 steps.scaler_skipped(optimizer)
             except Exception:
-                steps.m._error()
+                steps.error()
         return out
 
     cls.step = step
@@ -482,7 +491,7 @@ def _patch_saver(module, name: str, exporters: tuple[str, ...]) -> None:
             try:
                 interrupted = steps.save_begin()
             except Exception:
-                steps.m._error()
+                steps.error()
         if interrupted is None:
             return orig(*args, **kwargs)
         try:
@@ -491,7 +500,7 @@ def _patch_saver(module, name: str, exporters: tuple[str, ...]) -> None:
             try:
                 steps.save_end(interrupted)
             except Exception:
-                steps.m._error()
+                steps.error()
 
     _replace(module, name, orig, save, exporters)
 
