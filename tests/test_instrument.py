@@ -1767,6 +1767,27 @@ def test_zero_code_leaves_a_model_alone_once_its_monitor_is_shut_down(rx, script
     assert out.strip().splitlines()[-1] == "ok"
 
 
+def test_init_after_zero_code_started_says_which_arguments_it_ignores(rx):
+    """The script's ``init(job=...)`` after its model under ``syncwatch-run``: the monitor goes
+    on as started (records labelled with the environment's job, not ``mine``), and a warning
+    names what is ignored; it was dropped without a word."""
+    out = subprocess.run(
+        [sys.executable, "-c", ZERO_CODE_PREAMBLE
+         + "import syncwatch.instrument as sw\n"
+           "model = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+           "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+           "sw.init(job='mine', heartbeat_seconds=1)\n"
+           "sw.init()\n"
+           "model(torch.randn(4, 8)).sum().backward(); opt.step()\n"
+           "sw.step(4)\n"],
+        capture_output=True, text=True, timeout=120,
+        env=subprocess_env(SYNCWATCH_SOCKET=rx.path, SYNCWATCH_JOB="from-env"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr.count("ignores job, heartbeat_seconds;") == 1, out.stderr[-2000:]
+    (rec,) = steps(rx, 1)
+    assert rec.identity.train_job == "from-env"
+
+
 def test_zero_code_counts_a_closure_s_batch_once_however_often_it_evaluates_it(rx):
     """LBFGS evaluates its closure (forward and backward of the same batch) up to ``max_iter``
     times in one ``step()``: each evaluation counted the batch again, 5 x 5 samples a step here

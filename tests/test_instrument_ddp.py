@@ -530,6 +530,86 @@ def test_restart_resuming_from_an_earlier_step_counts_rerun_steps(daemon, sock_p
     assert m.value("syncwatch_job_rerun_steps_total", train_job=job) == 10  # steps 21..30 again
 
 
+SUBSET_SCRIPT = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+torch.set_num_threads(1)
+dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
+solo = dist.new_group([0])
+if dist.get_rank() == 0:  # an auxiliary model of rank 0's own
+    model = DistributedDataParallel(torch.nn.Linear(8, 8), process_group=solo)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(5):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_zero_code_with_a_model_that_only_some_ranks_build(daemon, sock_path, tmp_path):
+    """Rank 0 alone trains a DDP model over a group of its own, then every rank meets in a
+    barrier. Zero-code mode made the skew exchange's side group at that model, a collective of
+    the whole world that rank 1 never joins: rank 0 waited there, rank 1 in the barrier, until
+    the timeout killed the job. Now that model starts the monitor without the exchange."""
+    script = tmp_path / "subset.py"
+    script.write_text(SUBSET_SCRIPT)
+    job = "zc-subset"
+    log = tmp_path / "subset.log"
+    with open(log, "w") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "syncwatch.instrument.run", "--job", job, "--skew-every", "2",
+             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", str(script)], env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=out,
+            stderr=subprocess.STDOUT, timeout=120)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "the first model's process group is a part of the world" in text
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == {0: 5})
+    assert m.by_rank("syncwatch_steps_total", train_job=job) == {0: 5}
+    assert m.value("syncwatch_client_internal_errors_total") == 0
+
+
+SHARED_JOB_SCRIPT = """
+import os, sys, time, torch.distributed as dist
+import syncwatch.instrument as sw
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if rank == 0:
+    time.sleep(1.0)
+start = time.monotonic()
+m = sw.init(exchange_every=0) if rank == 1 or sys.argv[1] == "all" else None
+print(m.identity.train_job if m else "-", time.monotonic() - start, flush=True)
+dist.barrier()
+sw.shutdown()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("who", ["all", "rank 1 only"])
+def test_a_generated_job_name_is_shared_without_waiting_for_rank_0(sock_path, tmp_path, who):
+    """No job name in the environment (a launcher other than torchrun or Slurm): every rank
+    that calls ``init()`` takes the same generated name from the store, and none waits for
+    another (rank 0 generated it and the others waited up to 30 s for it on the training
+    thread, however late or absent rank 0 was)."""
+    script = tmp_path / "shared_job.py"
+    script.write_text(SHARED_JOB_SCRIPT)
+    port = str(free_port())
+    env = {k: v for k, v in subprocess_env(SYNCWATCH_SOCKET=sock_path).items()
+           if k not in ("SYNCWATCH_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
+    procs = [subprocess.Popen([sys.executable, str(script), who.split()[0]],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**env, "RANK": str(r), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    (job0, _), (job1, seconds1) = (o.strip().splitlines()[-1].split() for o in outs)
+    assert job1.startswith("job-") and job0 == (job1 if who == "all" else "-")
+    assert float(seconds1) < 10  # rank 0, a second late or never there, held nobody up
+
+
 def test_zero_code_resuming_from_a_checkpoint_counts_the_steps_run_again(
         daemon, sock_path, tmp_path):
     """An unmodified job whose rank 0 fails after step 25 restarts (attempt 1), resumes from its

@@ -87,6 +87,16 @@ def init(*, job: str | None = None, attempt: int | None = None, node: str | None
         auto = sys.modules.get("syncwatch.instrument.auto")
         if auto is not None:
             auto.stand_down()
+        given = [name for name, value in (
+            ("job", job), ("attempt", attempt), ("node", node), ("exchange_every", exchange_every),
+            ("exchange_seconds", exchange_seconds), ("heartbeat_seconds", heartbeat_seconds),
+            ("socket", socket), ("udp", udp), ("device", device), ("sender", sender),
+            ("clock", clock)) if value is not None]
+        if given:
+            log.warning("syncwatch: init() came after instrumentation started (syncwatch-run "
+                        "starts it at the first model): it goes on as started, and ignores %s; "
+                        "call init() before building the model, or give them to syncwatch-run "
+                        "(its options, or SYNCWATCH_* variables)", ", ".join(given))
         return _state.monitor
     try:
         return _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_seconds,
@@ -112,7 +122,7 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if job is None and identity.job_from_env() is None:
-        job = _shared_generated_job(dist, rank)
+        job = _shared_generated_job(dist)
     device = device or os.environ.get("SYNCWATCH_DEVICE") or (
         "cuda" if "nccl" in str(dist.get_backend()) and torch.cuda.is_available() else "cpu")
     gpu, uuid = -1, ""
@@ -146,17 +156,15 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
     return monitor
 
 
-def _shared_generated_job(dist, rank: int) -> str | None:
-    """No job name in the environment: rank 0 generates one and shares it through the store."""
-    from datetime import timedelta
-
+def _shared_generated_job(dist) -> str | None:
+    """No job name in the environment: the first rank to get here generates one, and every
+    rank takes it from the store (a compare-and-set: nobody waits for anybody. Rank 0 set it
+    and the others waited up to 30 s for it, on the training thread, where rank 0 came late or
+    never: a model that only some ranks build under ``syncwatch-run``)."""
     from .identity import generated_job
     try:
         store = dist.distributed_c10d._get_default_store()
-        if rank == 0:
-            store.set("syncwatch/job", generated_job())
-        store.wait(["syncwatch/job"], timedelta(seconds=30))
-        return store.get("syncwatch/job").decode()
+        return store.compare_set("syncwatch/job", "", generated_job()).decode()
     except Exception:
         return None  # identity.resolve generates a per-rank one
 

@@ -165,7 +165,8 @@ def _patch_fully_shard_module(module) -> None:
     def fully_shard(*args, **kwargs):
         out = orig(*args, **kwargs)
         try:
-            _attach_fsdp(out)
+            mesh = kwargs.get("mesh")
+            _attach_fsdp(out, whole_world=mesh is None or _spans_world(mesh.size()))
         except Exception:
             log.warning("syncwatch: could not instrument this fully_shard model", exc_info=True)
         return out
@@ -530,9 +531,27 @@ _fsdp_undo: list = []  # takes the phases back from the FSDP model that drives t
 _loaded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _start():
+def _group_size(group) -> int:
+    """The number of ranks in a process group (None: the default group's)."""
+    import torch.distributed as dist
+    return dist.get_world_size(group)
+
+
+def _spans_world(size: int) -> bool:
+    """Whether a model sharded or replicated over ``size`` ranks spans every rank of the world:
+    then every rank builds it, at once (DDP's construction is a collective of its group), and
+    the side group of the skew exchange, a collective of the whole world, can be made there."""
+    import torch.distributed as dist
+    return size == dist.get_world_size()
+
+
+def _start(whole_world: bool):
     """The process's ``_Steps``, started with the monitor at the first model; None where
-    ``init()`` stays a no-op, or where the script instruments itself (``stand_down``)."""
+    ``init()`` stays a no-op, or where the script instruments itself (``stand_down``). A first
+    model over a part of the world starts the monitor without the skew exchange: making its
+    side group needs every rank of the world, and ranks outside that model's group may never
+    build one (they waited forever in the script's next collective, and rank 0 in making the
+    group)."""
     global _steps
     import syncwatch.instrument as sw
     import torch
@@ -542,7 +561,14 @@ def _start():
     if _stood_down:
         return None
     if _state.monitor is None:
-        monitor = sw.init()
+        if whole_world:
+            monitor = sw.init()
+        else:
+            log.warning("syncwatch: the first model's process group is a part of the world: "
+                        "zero-code mode runs without the skew exchange (exact slack, last "
+                        "arrivals and skew need every rank; syncwatch.instrument.init() on "
+                        "every rank gives them)")
+            monitor = sw.init(exchange_every=0)
         if monitor is None:
             return None
     elif _steps is not None and _steps.m is _state.monitor:
@@ -575,14 +601,14 @@ def stand_down() -> None:
 
 def _attach(ddp) -> None:
     import syncwatch.instrument as sw
-    steps = _start()
+    steps = _start(_spans_world(_group_size(getattr(ddp, "process_group", None))))
     if steps is None:
         return
     sw.register(ddp, collectives=False)
     ddp.__dict__[ATTACHED] = steps
 
 
-def _attach_fsdp(model) -> None:
+def _attach_fsdp(model, whole_world: bool | None = None) -> None:
     """FSDP wraps bottom-up, the root last: each new FSDP model takes over the phases from the
     one before, so the root's forward drives them in the end (nested FSDP units, and modules
     that activation checkpointing runs again in backward, switch nothing). Its collectives are
@@ -590,7 +616,11 @@ def _attach_fsdp(model) -> None:
     ``forward``; a ``fully_shard`` module, whose class is made per module type, gets forward
     hooks (FSDP's own hooks have taken it off the fast call path already)."""
     from torch import nn
-    steps = _start()
+    if whole_world is None:  # FullyShardedDataParallel: sharded within its group, replicated
+        # across its inter-node one where it has one (HYBRID_SHARD)
+        whole_world = _spans_world(_group_size(getattr(model, "process_group", None))
+                                   * _group_size(getattr(model, "_inter_node_pg", None)))
+    steps = _start(whole_world)
     if steps is None or not isinstance(model, nn.Module):
         return
     while _fsdp_undo:
