@@ -1,5 +1,6 @@
 """Unit tests of the rank-side instrumentation (single process; real sockets, real decoder)."""
 
+import importlib.util
 import json
 import logging
 import os
@@ -20,6 +21,11 @@ from syncwatch.protocol import (MAX_ATTEMPT, PHASE_INDEX, EndRecord, HeartbeatRe
 from syncwatch.sender import Sender
 from syncwatch.skew import WindowResult
 from instrument.receiver import Receiver
+
+# Tests that run torch in a child process: skipped where torch is not installed (the test extra
+# installs it), as the ones that import it are
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                 reason="needs torch (pip install -e '.[test]')")
 
 IDENT = Identity(train_job="unit", attempt=0, rank=0, local_rank=0, world_size=4, node="n1",
                  pid=os.getpid())
@@ -217,6 +223,7 @@ def test_internal_errors_are_counted_and_never_raised(rx, caplog):
     m.shutdown()
 
 
+@needs_torch
 def test_bad_step_arguments_are_refused_without_losing_a_step_or_later_records(rx, caplog):
     """``step()`` with a count that is no number, not finite, negative or absurd, or a step
     number that is no integer in range: the step still counts (with 0 of it, or numbered
@@ -551,6 +558,7 @@ def test_a_blocking_collective_on_another_thread_is_counted_not_timed(rx):
     m.shutdown()
 
 
+@needs_torch
 def test_a_collective_in_a_backward_on_another_thread_is_timed(rx):
     """Autograd runs a CUDA backward on a thread of its own, and FSDP's reduce-scatters with it:
     those waits are the training step's, whatever thread calls them. Here a backward runs on a
@@ -1465,6 +1473,7 @@ def test_torchruns_placeholder_run_id_names_no_job():
     assert ident_mod.job_from_env({"TORCHELASTIC_RUN_ID": "nonesuch"}) == "nonesuch"
 
 
+@needs_torch
 @pytest.mark.parametrize("ending, reason", [
     ("sys.exit(0)", "completed"), ("raise ValueError('diverged')", "failed"),
     ("sys.exit('loss is NaN')", "failed"),
@@ -1574,6 +1583,7 @@ def test_syncwatch_run_from_another_environment_shadows_none_of_the_programs_mod
     assert out.stdout == "ran\n" and "syncwatch not found" in out.stderr
 
 
+@needs_torch
 def test_zero_code_install_after_torch_imported_fsdp_patches_what_the_script_imports():
     """``install()`` after FSDP was imported (not how ``syncwatch-run`` runs it, but a script
     may call it late): the names the script imports next are the patched ones."""
@@ -1594,6 +1604,7 @@ def test_zero_code_install_after_torch_imported_fsdp_patches_what_the_script_imp
     assert out.stdout.split() == ["True"] * 7, out.stderr[-2000:]
 
 
+@needs_torch
 def test_zero_code_install_patches_the_rest_where_a_torch_moved_what_one_patch_wraps():
     """Some patches wrap torch's private functions (FSDP's end-of-backward callbacks), which a
     torch release may move: that patch is skipped with a warning naming its module, and the ones
@@ -1613,6 +1624,7 @@ def test_zero_code_install_patches_the_rest_where_a_torch_moved_what_one_patch_w
             and "_root_post_backward_final_callback" in out.stderr), out.stderr[-2000:]
 
 
+@needs_torch
 @pytest.mark.parametrize("wrap", ["DistributedDataParallel({})",
                                   "FullyShardedDataParallel({}, device_id=torch.device('cpu'))"],
                          ids=["ddp", "fsdp"])
@@ -1653,6 +1665,7 @@ ZERO_CODE_PREAMBLE = ("from syncwatch.instrument import auto\n"
 def run_zero_code(rx, script: str, imports: str = "") -> str:
     """Run ``script`` as one rank under zero-code mode (``imports`` first, before syncwatch
     patches anything), reporting to ``rx``; assert it succeeded, return what it printed."""
+    pytest.importorskip("torch")
     out = subprocess.run([sys.executable, "-c", imports + ZERO_CODE_PREAMBLE + script],
                          capture_output=True, text=True,
                          env=subprocess_env(SYNCWATCH_SOCKET=rx.path), timeout=120)
@@ -1767,6 +1780,7 @@ def test_zero_code_leaves_a_model_alone_once_its_monitor_is_shut_down(rx, script
     assert out.strip().splitlines()[-1] == "ok"
 
 
+@needs_torch
 def test_init_after_zero_code_started_says_which_arguments_it_ignores(rx):
     """The script's ``init(job=...)`` after its model under ``syncwatch-run``: the monitor goes
     on as started (records labelled with the environment's job, not ``mine``), and a warning

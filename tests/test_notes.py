@@ -267,7 +267,9 @@ def test_a_rebind_on_another_thread_is_seen_whole(Notes):
     t.start()
     try:
         p, calls = n.phase(0, 8), 0
-        while calls < 20000 or rebinds[0] < 1000:  # however the threads get scheduled
+        # however the threads get scheduled: on a loaded machine the training thread may hold
+        # the interpreter only a few times, each time maybe unbound (one binding in three)
+        while calls < 20000 or rebinds[0] < 1000 or not (a or b):
             with p:
                 pass
             n.step(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import socket
@@ -275,6 +276,8 @@ def test_a_bad_syncwatch_udp_is_said_once_and_every_record_is_dropped(monkeypatc
         assert str(refused.value) == daemon_says
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                    reason="needs torch (pip install -e '.[test]')")
 @pytest.mark.parametrize("bad", [False, True])
 def test_syncwatch_udp_as_the_instrumentation_reads_it(bad):
     """In a rank, ``sw.init()`` with ``:PORT`` did not start (the Sender's ValueError), and with
