@@ -618,8 +618,9 @@ def _attach_fsdp(model, whole_world: bool | None = None) -> None:
     from torch import nn
     if whole_world is None:  # FullyShardedDataParallel: sharded within its group, replicated
         # across its inter-node one where it has one (HYBRID_SHARD)
+        inter = getattr(model, "_inter_node_pg", None)
         whole_world = _spans_world(_group_size(getattr(model, "process_group", None))
-                                   * _group_size(getattr(model, "_inter_node_pg", None)))
+                                   * (1 if inter is None else _group_size(inter)))
     steps = _start(whole_world)
     if steps is None or not isinstance(model, nn.Module):
         return
