@@ -4,12 +4,14 @@ simulator's truth."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from syncwatch.sim.driver import Driver, gpu_uuid
-from syncwatch.sim.hardware import (BASE_CLOCK_MHZ, CONGESTED_STEP, QUIET_STEP, SimulatedHardware,
-                                    THROTTLE_HEAT)
-from syncwatch.sim.scenarios import scenario_params, straggler_rank
+from syncwatch.sim.hardware import (BASE_CLOCK_MHZ, CONGESTED_STEP, IDLE_POWER_MW, QUIET_STEP,
+                                    SimulatedHardware, THROTTLE_HEAT)
+from syncwatch.sim.scenarios import ScenarioThread, scenario_params, straggler_rank
 
 
 def _setup(scenario: str, nodes: int = 2, ranks: int = 2, **params):
@@ -152,3 +154,41 @@ def test_follow_rejects_a_driver_of_another_shape():
     with SimulatedHardware(2, 2, "sim-node-") as hw:
         with pytest.raises(ValueError, match="3 nodes"):
             hw.follow(Driver(scenario_params("healthy", 3, 2)))
+
+
+def test_gpus_read_busy_for_a_whole_real_time_run_and_idle_while_it_is_down():
+    """A real-time run whose steps outlast the ticker's period, with a restart: the GPUs read busy
+    whenever a step is under way (after at most a period into the attempt's first step), idle
+    during the restart's downtime and after the run. A tick of the ticker thread mid-step saw no
+    step ended and read them idle for most of the run (0 % and 90 W)."""
+    period = 0.05
+    params = dict(compute_seconds=0.25, checkpoint_every=4, checkpoint_seconds=0.0,
+                  fail_after=(5,), restart_seconds=2.0)
+    thread = ScenarioThread("restarts", None, 1, 2, steps=10, params=params)
+    driver = thread.driver
+    samples = []       # (seconds since the stepping stretch began, stepping, utilization, power)
+    with SimulatedHardware(1, 2, "sim-node-", period=period) as hw:
+        gpu = hw.nodes[0].nvml.gpus[1]
+        hw.follow(driver)
+        thread.start()
+        began = None
+        while thread.is_alive():
+            stepping, utilization = driver.stepping, gpu.utilization
+            now = time.monotonic()
+            if stepping and began is None:
+                began = now
+            elif not stepping:
+                began = None
+            samples.append((now - began if stepping else None, stepping, utilization, gpu.power_mw))
+            time.sleep(0.01)
+        thread.join()
+        assert thread.error is None and driver.truth.attempt == 1
+        time.sleep(4 * period)
+        assert (gpu.utilization, gpu.power_mw) == (0, IDLE_POWER_MW)     # the run is over
+    stepping = [s for s in samples if s[1]]
+    assert len(stepping) > 100
+    late_idle = [s for s in stepping if s[0] > 0.5 and s[2] == 0]
+    assert not late_idle, f"{len(late_idle)} of {len(stepping)} samples mid-run read idle GPUs"
+    assert any(s[2] == 95 and s[3] == 400_000 for s in stepping)
+    down = [s for s in samples if not s[1]]
+    assert any(s[2] == 0 for s in down), "the GPUs never read idle while the job was down"

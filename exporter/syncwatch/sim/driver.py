@@ -187,6 +187,9 @@ class Driver:
         self._window_steps: list[StepTruth] = []
         self._next_heartbeat = heartbeat_every
         self._t0 = time.monotonic()
+        self.stepping = False
+        """A step is under way (real time: the driver waits for its end); False before the run,
+        in a restart's downtime and once the run is over: the simulated GPUs' busy time."""
         self.after_step: list[Callable[[], None]] = []
         """Callables run in the driver's thread after each step's records went out (no arguments):
         what must move in lockstep with the records, such as the simulated hardware."""
@@ -248,6 +251,7 @@ class Driver:
             while steps <= 0 or done < steps:
                 event = self.model.next()
                 if isinstance(event, Restart):
+                    self.stepping = False       # the job is down until the new attempt's step
                     self.truth.restarts.append(event)
                     for r in self.ranks:        # the processes die: their senders go with them
                         if r.sender is not None:
@@ -257,6 +261,7 @@ class Driver:
                     if not self._wait_until(event.start, stop):
                         break
                     continue
+                self.stepping = True
                 if not self._heartbeats_during(event, stop):
                     break
                 if not self._wait_until(event.start + event.step_seconds, stop):
@@ -268,6 +273,7 @@ class Driver:
             else:
                 completed = True
         finally:
+            self.stepping = False
             self._finish(completed)
         return self.truth
 

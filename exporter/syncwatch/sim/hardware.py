@@ -12,15 +12,19 @@ last tick, never from a model of its own. Ticks run in the driver's thread after
 records went out, at most every ``period`` seconds, so the counters move in lockstep with the
 records: a ticker thread of their own fell seconds behind on a loaded machine (each tick's file
 writes wait for the interpreter lock), which put the counters of a congestion episode into the
-next analysis window. A ticker thread ticks only while the driver does not (idle GPUs, the run
-over):
+next analysis window. A ticker thread ticks while the driver runs no step (``Driver.stepping``
+false: before the run, a restart's downtime, the run over), and once a period into a step that
+finds the GPUs idle (the run's or an attempt's first), to mark them busy. The GPUs are busy over
+a tick's interval where a step is under way at the tick or one ended since the last tick, idle
+otherwise:
 
 | reading | from the simulator's truth |
 | --- | --- |
 | GPU heat h in [-1, 1] | thermal scenario: the node's sinusoid, (``Model.node_factors`` - 1) / amplitude; straggler: 1 on the slow rank's GPU once it straggles; otherwise 0 |
 | temperature | 65 + 20 h °C; the ``sw_thermal`` throttle reason is active while h >= 0.75 (80 °C) |
 | SM clock | 1980 MHz / the compute slowdown the model applies to that rank (thermal x straggler) |
-| power, energy | while steps run 250 W + 150 W x clock / 1980 MHz, else 90 W; energy += power x time |
+| utilisation | 95 % while busy, else 0 |
+| power, energy | while busy 250 W + 150 W x clock / 1980 MHz, else 90 W; energy += power x time |
 | RoCE port data | every step a ring all-reduce moves 2 (N - 1) / N x ``GRADIENT_BYTES`` out and in |
 | NIC bytes | data loading: samples x ``SAMPLE_BYTES`` in, a fiftieth of that out |
 | ``port_xmit_wait``, CNP sent / handled, ECN marked | a trickle per quiet step, much more per step of a congestion episode, on every node |
@@ -127,6 +131,7 @@ class SimulatedHardware:
                       for n in range(nodes)]
         self._driver: Driver | None = None
         self._seen = (0, 0)                 # (executed, congested) steps at the last tick
+        self._busy = False                  # the last tick found the GPUs busy
         self._last = time.monotonic()       # when the last tick ran
         self._lock = threading.Lock()       # the driver's thread and the ticker thread both tick
         self._stop = threading.Event()
@@ -154,8 +159,12 @@ class SimulatedHardware:
                     self._last = now
 
     def _run(self) -> None:
+        # while the driver steps, its own thread ticks after each step; this one ticks mid-step
+        # only to mark idle GPUs busy once steps start (the run's or an attempt's first): a tick
+        # mid-step saw no step ended and read them idle, most of a run whose steps outlast the period
         while not self._stop.wait(self.period):
-            self._tick_if_due()
+            if not (self._driver.stepping and self._busy):
+                self._tick_if_due()
 
     def tick(self, seconds: float) -> None:
         """Advance by ``seconds`` of real time and the steps the driver executed since the last tick."""
@@ -168,6 +177,7 @@ class SimulatedHardware:
         factors = driver.model.node_factors(step)
         straggling = p.straggler_rank >= 0 and p.straggler_slowdown > 0 and step >= p.straggler_from_step
         ring = 2 * (p.nodes - 1) / p.nodes if p.nodes > 1 else 0.0
+        self._busy = busy = steps > 0 or driver.stepping
         for n, node in enumerate(self.nodes):
             heat = (factors[n] - 1.0) / p.thermal_amplitude if p.thermal_amplitude else 0.0
             for local in range(p.ranks_per_node):
@@ -175,7 +185,7 @@ class SimulatedHardware:
                     node.set_gpu(local, 1.0, factors[n] * (1.0 + p.straggler_slowdown))
                 else:
                     node.set_gpu(local, heat, factors[n])
-            node.run_gpus(seconds, busy=steps > 0)
+            node.run_gpus(seconds, busy)
             node.move(port_bytes=int(steps * ring * GRADIENT_BYTES),
                       nic_in=int(steps * p.ranks_per_node * p.samples_per_step * SAMPLE_BYTES),
                       quiet_steps=steps - hot_steps, congested_steps=hot_steps)
