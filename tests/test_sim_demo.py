@@ -98,7 +98,7 @@ def test_demo_points_at_the_listen_host_when_it_cannot_bind_there(capsys):
 
 @pytest.mark.parametrize("flags", [["--step-time", "nan"], ["--step-time", "inf"],
                                    ["--step-time", "-1"], ["--duration", "-5"],
-                                   ["--summary-every", "0"], ["--nodes", "0"],
+                                   ["--summary-every", "0"], ["--nodes", "0"], ["--ranks-per-node", "0"],
                                    ["--job", "my job"], ["--job", "x" * 129],
                                    ["--base-port", "-5"], ["--base-port", "65534", "--nodes", "3"]])
 def test_demo_refuses_bad_arguments_before_starting_anything(flags, capsys):
@@ -109,6 +109,16 @@ def test_demo_refuses_bad_arguments_before_starting_anything(flags, capsys):
     from syncwatch import cli
     assert cli.main(["demo", "--base-port", "0", "--no-hardware", "--duration", "1", *flags]) == 2
     assert "syncwatch demo:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ranks", ["0", "-3"])
+def test_demo_scaling_refuses_a_bad_ranks_per_node(ranks, capsys):
+    """The scaling sweep returned before the flags were checked: --ranks-per-node 0 was a
+    traceback (ValueError from the model, exit 1)."""
+    from syncwatch import cli
+    assert cli.main(["demo", "--scenario", "scaling", "--ranks-per-node", ranks]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == "syncwatch demo: --ranks-per-node must be at least 1" and not out
 
 
 def test_demo_stopped_while_it_starts_cleans_up(monkeypatch, capsys):

@@ -128,14 +128,17 @@ def _stop_signals_interrupt():
 
 
 def main(args) -> int:
+    if args.ranks_per_node < 1:  # before scaling's sweep, which uses it too
+        print("syncwatch demo: --ranks-per-node must be at least 1", file=sys.stderr)
+        return 2
     if args.scenario == "scaling":
         print("Step-time CV against cluster size (model only, 8 ranks per node unless "
               "--ranks-per-node), beside the seed paper's baseline:")
         print(format_sweep(scaling_sweep(ranks_per_node=args.ranks_per_node, seed=args.seed)))
         return 0
-    if args.nodes < 1 or args.ranks_per_node < 1 or not 0 < args.step_time < math.inf:
-        print("syncwatch demo: --nodes, --ranks-per-node and --step-time must be positive "
-              "(and finite)", file=sys.stderr)
+    if args.nodes < 1 or not 0 < args.step_time < math.inf:
+        print("syncwatch demo: --nodes and --step-time must be positive (and finite)",
+              file=sys.stderr)
         return 2
     if not (0 <= args.duration < math.inf and 0 < args.summary_every < math.inf):
         print("syncwatch demo: --duration must be >= 0 and --summary-every positive (finite)",
