@@ -195,10 +195,41 @@ def test_parameters_that_give_negative_or_broken_times_are_refused(bad):
         Params(**bad)
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(jitter=NAN), "jitter"), (dict(jitter=INF), "jitter"), (dict(jitter=-0.5), "jitter"),
+    (dict(straggler_rank=0, straggler_slowdown=INF), "straggler_slowdown"),
+    (dict(phase_split=(NAN, 0.3, 0.55, 0.1)), "phase_split"),
+    (dict(phase_split=(INF, 0.3, 0.55, 0.1)), "phase_split"),
+    (dict(stall_probability=NAN), "stall_probability"), (dict(stall_probability=2.0), "stall_probability"),
+    (dict(stall_probability=-0.1), "stall_probability"),
+    (dict(congestion_rate=-1.0), "congestion_rate"), (dict(congestion_rate=NAN), "congestion_rate"),
+    (dict(congestion_max=1.5), "congestion_max"), (dict(stall_alpha=INF), "stall_alpha"),
+    (dict(stall_alpha=0.0), "stall_alpha")])
+def test_parameters_that_give_infinite_or_nan_times_name_their_field(bad, field):
+    """Each was accepted: jitter=nan silently halved every rank's compute (max(0.5, nan) is 0.5),
+    jitter=inf or an infinite slowdown gave infinite step times, a NaN in phase_split passed the
+    sum check, and probabilities outside 0..1 (or NaN) were taken as they came."""
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        Params(**bad)
+
+
+@pytest.mark.parametrize("fail_after", [(130, 130), (0,), (50, 0), (-5,)])
+def test_fail_after_refuses_repeated_and_non_positive_counts(fail_after):
+    """(130, 130) gave a second restart with nothing re-run (the new attempt failed before its
+    first step), (0,) restarted the job before any step ran."""
+    with pytest.raises(ValueError, match="^fail_after must be distinct step counts >= 1"):
+        Params(checkpoint_every=50, fail_after=fail_after)
+
+
 def test_edge_parameters_that_stay_valid():
     """World size 1, no jitter, a faster 'straggler', no collective: every time stays >= 0."""
     p = Params(nodes=1, ranks_per_node=1, jitter=0.0, stall_probability=0.0, collective_seconds=0.0,
                straggler_rank=0, straggler_slowdown=-0.5, oscillation=-0.2, congestion_rate=0.0)
+    assert Params(stall_probability=1.0, congestion_max=1.0, checkpoint_every=5,
+                  fail_after=(9, 3)).fail_after == (9, 3)      # any order; sorted when run
     model = Model(p, seed=0)
     for _ in range(20):
         s = model.next()

@@ -71,30 +71,42 @@ class Params:
     def __post_init__(self):
         if self.nodes < 1 or self.ranks_per_node < 1:
             raise ValueError("nodes and ranks_per_node must be at least 1")
-        if (len(self.phase_split) != len(COMPUTE_PHASES) or min(self.phase_split) < 0
+        # NaN fails every comparison, so each check says what is valid (and a NaN is not)
+        if (len(self.phase_split) != len(COMPUTE_PHASES)
+                or not all(0 <= f < math.inf for f in self.phase_split)
                 or abs(sum(self.phase_split) - 1) > 1e-9):
-            raise ValueError("phase_split must be 4 fractions (>= 0) summing to 1")
-        # a negative duration or amount would make every daemon reject the rank's records
-        # (bad_value) while the truth counted them
+            raise ValueError(f"phase_split must be 4 fractions (>= 0) summing to 1, "
+                             f"not {self.phase_split}")
+        # a negative, infinite or NaN duration or amount would make every daemon reject the
+        # rank's records (bad_value) while the truth counted them
         if not 0 < self.compute_seconds < math.inf:
             raise ValueError(f"compute_seconds must be positive and finite, not {self.compute_seconds}")
-        for name in ("collective_seconds", "stall_seconds", "stall_cap", "congestion_factor",
-                     "checkpoint_seconds", "eval_seconds", "restart_seconds", "samples_per_step"):
+        for name in ("collective_seconds", "jitter", "stall_seconds", "stall_cap", "congestion_rate",
+                     "congestion_factor", "checkpoint_seconds", "eval_seconds", "restart_seconds",
+                     "samples_per_step"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be >= 0 and finite, not {getattr(self, name)}")
-        if not self.straggler_slowdown > -1:
-            raise ValueError(f"straggler_slowdown must be > -1 (-1: no compute at all), "
+        for name in ("stall_probability", "congestion_max"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be a probability (0 to 1), not {getattr(self, name)}")
+        if not -1 < self.straggler_slowdown < math.inf:
+            raise ValueError(f"straggler_slowdown must be > -1 (-1: no compute at all) and finite, "
                              f"not {self.straggler_slowdown}")
         for name in ("oscillation", "thermal_amplitude"):
             if not abs(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be within (-1, 1): compute x (1 - {name}) "
                                  f"must stay positive, not {getattr(self, name)}")
-        if self.thermal_period_steps < 1 or not self.stall_alpha > 0:
-            raise ValueError("thermal_period_steps must be >= 1 and stall_alpha > 0")
-        if min(self.checkpoint_every, self.eval_every, self.congestion_every,
-               self.congestion_steps, *self.fail_after) < 0:
-            raise ValueError("checkpoint_every, eval_every, congestion_every, congestion_steps and "
-                             "fail_after must be >= 0")
+        if self.thermal_period_steps < 1:
+            raise ValueError(f"thermal_period_steps must be >= 1, not {self.thermal_period_steps}")
+        if not 0 < self.stall_alpha < math.inf:
+            raise ValueError(f"stall_alpha must be positive and finite, not {self.stall_alpha}")
+        for name in ("checkpoint_every", "eval_every", "congestion_every", "congestion_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
+        # a failure after 0 steps restarted before any step ran, and a repeated count restarted
+        # the new attempt before its first step (a restart with nothing re-run)
+        if any(n < 1 for n in self.fail_after) or len(set(self.fail_after)) != len(self.fail_after):
+            raise ValueError(f"fail_after must be distinct step counts >= 1, not {self.fail_after}")
         if self.fail_after and not self.checkpoint_every:
             raise ValueError("restarts need checkpoint_every > 0 to resume from")
         if self.straggler_rank >= self.world_size:
