@@ -27,6 +27,7 @@ otherwise:
 | power, energy | while busy 250 W + 150 W x clock / 1980 MHz, else 90 W; energy += power x time |
 | RoCE port data | every step a ring all-reduce moves 2 (N - 1) / N x ``GRADIENT_BYTES`` out and in |
 | NIC bytes | data loading: samples x ``SAMPLE_BYTES`` in, a fiftieth of that out |
+| packets | each tick's bytes / ``NIC_PACKET_BYTES`` (1500) on the netdev, / ``ROCE_PACKET_BYTES`` (4096) on the port (``port_*_packets``, ``unicast_*_packets``), rounded up |
 | ``port_xmit_wait``, CNP sent / handled, ECN marked | a trickle per quiet step, much more per step of a congestion episode, on every node |
 """
 
@@ -52,6 +53,9 @@ from .driver import Driver, gpu_uuid, node_name
 NIC, HCA = "ens1f0np0", "mlx5_0"
 GRADIENT_BYTES = 256 * 2**20        # gradients all-reduced per step
 SAMPLE_BYTES = 150_000              # one training sample as loaded over the NIC
+# bytes per packet, as the counters count them: the netdev's full frames at its default MTU
+# (1500), the RoCE port's at an RDMA MTU of 4096 (the usual with a 9000-byte Ethernet MTU)
+NIC_PACKET_BYTES, ROCE_PACKET_BYTES = 1500, 4096
 BASE_CLOCK_MHZ = 1980
 BASE_TEMPERATURE, HEAT_CELSIUS, THROTTLE_HEAT = 65, 20, 0.75
 IDLE_POWER_MW, BUSY_POWER_MW, CLOCK_POWER_MW = 90_000, 250_000, 150_000
@@ -100,13 +104,22 @@ class NodeHardware:
             return  # no step since the last tick: nothing moved
         stats, counters, hw = self.nic / "statistics", self.port / "counters", self.port / "hw_counters"
         bump = self.counters.bump
-        bump(stats / "rx_bytes", nic_in)
-        bump(stats / "tx_bytes", nic_in // 50)
-        bump(counters / "port_xmit_data", port_bytes // 4)     # sysfs counts 4-byte words
-        bump(counters / "port_rcv_data", port_bytes // 4)
+        for direction, nbytes in (("rx", nic_in), ("tx", nic_in // 50)):
+            bump(stats / f"{direction}_bytes", nbytes)
+            bump(stats / f"{direction}_packets", _packets(nbytes, NIC_PACKET_BYTES))
+        packets = _packets(port_bytes, ROCE_PACKET_BYTES)
+        for direction in ("xmit", "rcv"):
+            bump(counters / f"port_{direction}_data", port_bytes // 4)   # sysfs counts 4-byte words
+            bump(counters / f"port_{direction}_packets", packets)
+            bump(counters / f"unicast_{direction}_packets", packets)      # RDMA traffic is unicast
         for name in QUIET_STEP:
             by = QUIET_STEP[name] * quiet_steps + CONGESTED_STEP[name] * congested_steps
             bump((counters if name == "port_xmit_wait" else hw) / name, by)
+
+
+def _packets(nbytes: int, packet_bytes: int) -> int:
+    """Packets that carry ``nbytes``: full ones and one for the remainder."""
+    return -(-nbytes // packet_bytes)
 
 
 def _memory_dir() -> str | None:
