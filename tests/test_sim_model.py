@@ -125,11 +125,31 @@ def test_congestion_episodes_inflate_sync_time():
     steps = steps_of(p, 400)
     cong = [s for s in steps if s.congested]
     calm = [s for s in steps if not s.congested]
-    forced = {e + k for e in range(100, 301, 100) for k in range(p.congestion_steps)}
+    forced = {e + k for e in range(100, 301, 100) for k in range(p.scheduled_congestion_steps)}
     assert forced <= {s.step for s in cong}  # plus the rare random episode
     assert min(s.min_wait for s in cong) == pytest.approx(4 * max(s.min_wait for s in calm))
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert mean([s.step_seconds for s in cong]) > mean([s.step_seconds for s in calm]) + 0.4
+
+
+def test_congestion_schedule_is_separate_from_the_random_episodes():
+    """At 32 nodes the random episodes' chance is 7 % a step: they took the scenario's 20 steps
+    and x 4, so 61 % of steps were congested where the scenario says 20 %; they are the healthy
+    cluster's 1-step episodes (x 6) beside the schedule."""
+    p = scenario_params("congestion", nodes=32, ranks_per_node=2)
+    steps = steps_of(p, 1000)
+    on = [s.step >= 100 and s.step % 100 < 20 for s in steps]        # 100-119, ..., 900-919, 1000
+    scheduled = [s for s, o in zip(steps, on) if o]
+    random = [s for s, o in zip(steps, on) if s.congested and not o]
+    assert all(s.congested for s in scheduled) and len(scheduled) == 181
+    chance = Model(p).congestion_probability()
+    assert chance == pytest.approx(7e-5 * 32**2)
+    # the random episodes: one step each, so a share of the other steps close to their chance
+    assert 0.5 * chance < len(random) / (1000 - 181) < 1.5 * chance
+    collective = p.collective_seconds * p.compute_seconds
+    assert {round(s.min_wait / collective, 9) for s in random} == {6.0}
+    assert {round(s.min_wait / collective, 9) for s in scheduled} <= {4.0, 6.0}  # 6: both at once
+    assert sum(s.congested for s in steps) / 1000 < 0.3
 
 
 def test_thermal_drift_moves_the_last_arrival_between_nodes():

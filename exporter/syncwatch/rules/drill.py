@@ -41,8 +41,9 @@ def fault_params(fault: str) -> dict:
         return {}
     if fault == "variance":      # the simulator's congestion scenario: episodes of slow collectives
         p = scenario_params("congestion", NODES, RANKS_PER_NODE)
-        return dict(congestion_every=p.congestion_every, congestion_steps=p.congestion_steps,
-                    congestion_factor=p.congestion_factor)
+        return dict(congestion_every=p.congestion_every,
+                    scheduled_congestion_steps=p.scheduled_congestion_steps,
+                    scheduled_congestion_factor=p.scheduled_congestion_factor)
     if fault == "straggler":     # the simulator's straggler scenario, starting at onset
         p = scenario_params("straggler", NODES, RANKS_PER_NODE)
         return dict(straggler_rank=p.straggler_rank, straggler_slowdown=p.straggler_slowdown,
@@ -50,7 +51,7 @@ def fault_params(fault: str) -> dict:
     if fault == "stall":         # one rank hangs in its compute; all keep sending heartbeats
         return dict(straggler_rank=min(2, world - 1), straggler_slowdown=1e5, straggler_from_step=0)
     if fault == "start":         # the first collective never completes, every rank waits in it
-        return dict(congestion_every=1, congestion_steps=1, congestion_factor=1e6)
+        return dict(congestion_every=1, scheduled_congestion_steps=1, scheduled_congestion_factor=1e6)
     raise ValueError(f"unknown fault {fault!r}")
 
 

@@ -16,7 +16,7 @@ gradient collective:
 A rank's compute time is ``compute_seconds`` x (1 + Gaussian jitter) x its persistent-straggler,
 thermal and oscillation factors, plus a rare heavy-tailed stall (Pareto, capped). Fabric congestion
 episodes inflate the collective time; their chance per step grows with nodes² (pairwise flow
-collisions on an oversubscribed fabric). Restarts fail the job after chosen steps and resume from
+collisions on an oversubscribed fabric); scheduled episodes (``congestion_every``) come besides. Restarts fail the job after chosen steps and resume from
 the last checkpoint with a new attempt: step numbers go back and the steps since the checkpoint
 are re-run. See docs/simulator.md for why each effect is there and how the defaults were fitted.
 """
@@ -51,7 +51,9 @@ class Params:
     congestion_max: float = 0.25            # ... capped here
     congestion_factor: float = 6.0          # collective time x this during an episode (+5x)
     congestion_steps: int = 1               # steps an episode lasts
-    congestion_every: int = 0               # forced episodes every this many steps (0 = none)
+    congestion_every: int = 0               # scheduled episodes every this many steps (0 = none),
+    scheduled_congestion_steps: int = 1     # ... lasting this many steps ...
+    scheduled_congestion_factor: float = 6.0  # ... with the collective time x this
     straggler_rank: int = -1                # persistent straggler (-1 = none) ...
     straggler_slowdown: float = 0.0         # ... slowed by this fraction ...
     straggler_from_step: int = 0            # ... from this step on
@@ -82,8 +84,8 @@ class Params:
         if not 0 < self.compute_seconds < math.inf:
             raise ValueError(f"compute_seconds must be positive and finite, not {self.compute_seconds}")
         for name in ("collective_seconds", "jitter", "stall_seconds", "stall_cap", "congestion_rate",
-                     "congestion_factor", "checkpoint_seconds", "eval_seconds", "restart_seconds",
-                     "samples_per_step"):
+                     "congestion_factor", "scheduled_congestion_factor", "checkpoint_seconds",
+                     "eval_seconds", "restart_seconds", "samples_per_step"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be >= 0 and finite, not {getattr(self, name)}")
         for name in ("stall_probability", "congestion_max"):
@@ -100,7 +102,8 @@ class Params:
             raise ValueError(f"thermal_period_steps must be >= 1, not {self.thermal_period_steps}")
         if not 0 < self.stall_alpha < math.inf:
             raise ValueError(f"stall_alpha must be positive and finite, not {self.stall_alpha}")
-        for name in ("checkpoint_every", "eval_every", "congestion_every", "congestion_steps"):
+        for name in ("checkpoint_every", "eval_every", "congestion_every", "congestion_steps",
+                     "scheduled_congestion_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
         # a failure after 0 steps restarted before any step ran, and a repeated count restarted
@@ -181,7 +184,8 @@ class Model:
         self.step = 0                  # last completed step number
         self.executed = 0              # steps executed, re-runs included
         self.attempt = 0
-        self._congested_left = 0
+        self._congested_left = 0       # steps left of the random episode under way
+        self._scheduled_left = 0       # ... and of the scheduled one
         self._fail_after = sorted(params.fail_after)
         n = params.nodes
         self._node_phase = [self.rng.uniform(0, 2 * math.pi) for _ in range(n)]
@@ -242,14 +246,22 @@ class Model:
             # fsum: exactly rounded, so the same run on every CPython (3.12's sum() of floats
             # compensates its rounding, 3.11's does not: the golden exposition moved)
             arrivals.append(math.fsum(comp) + sum(paused))
-        if self._congested_left == 0 and (
-                (p.congestion_every and step % p.congestion_every == 0)
-                or rand() < self.congestion_probability()):
+        # the random episodes (the healthy cluster's) and the scheduled ones (the congestion
+        # scenario's) are independent: a random draw whenever no random episode is under way,
+        # whatever the schedule, and the larger factor where both are
+        if self._congested_left == 0 and rand() < self.congestion_probability():
             self._congested_left = p.congestion_steps
-        congested = self._congested_left > 0
-        if congested:
+        if p.congestion_every and step % p.congestion_every == 0:
+            self._scheduled_left = p.scheduled_congestion_steps
+        factors = []
+        if self._congested_left > 0:
             self._congested_left -= 1
-        collective = p.collective_seconds * p.compute_seconds * (p.congestion_factor if congested else 1.0)
+            factors.append(p.congestion_factor)
+        if self._scheduled_left > 0:
+            self._scheduled_left -= 1
+            factors.append(p.scheduled_congestion_factor)
+        congested = bool(factors)
+        collective = p.collective_seconds * p.compute_seconds * (max(factors) if congested else 1.0)
         release = max(arrivals) + collective
         waits = tuple(release - a for a in arrivals)
         full = [(c[0], c[1], c[2], c[3], w, ck, 0.0, ev)

@@ -8,7 +8,8 @@ scenario looks the same at any speed. What each one shows:
 | healthy     | none: 1.5 % jitter, rare stalls, nodes²-scaled congestion    | slack spread over all ranks |
 | straggler   | rank ``STRAGGLER_RANK`` 8 % slower from step 20               | that rank arrives last almost every step |
 | oscillation | compute x 1.1 on odd steps, x 0.9 on even                    | lag-1 autocorrelation near -1 |
-| congestion  | every 100 steps a 20-step episode, collective x 4            | sync time and step time inflated in episodes |
+| congestion  | every 100 steps a 20-step episode, collective x 4 (besides   | sync time and step time inflated in episodes |
+|             | healthy's random 1-step episodes)                            |            |
 | thermal     | per-node sinusoid, 6 % amplitude, 300-step period            | last arrivals move from node to node |
 | restarts    | checkpoint every 50 steps; fail after 130 and 290 steps      | attempts 0,1,2; steps go back; re-run steps |
 
@@ -41,7 +42,8 @@ def scenario_params(name: str, nodes: int = 4, ranks_per_node: int = 8, **overri
         "straggler": dict(straggler_rank=straggler_rank(world), straggler_slowdown=0.08,
                           straggler_from_step=20),
         "oscillation": dict(oscillation=0.10),
-        "congestion": dict(congestion_every=100, congestion_steps=20, congestion_factor=4.0),
+        "congestion": dict(congestion_every=100, scheduled_congestion_steps=20,
+                           scheduled_congestion_factor=4.0),
         "thermal": dict(thermal_amplitude=0.06, thermal_period_steps=300),
         "restarts": dict(checkpoint_every=50, checkpoint_seconds=0.5, fail_after=(130, 290),
                          restart_seconds=10.0),
