@@ -7,7 +7,7 @@ scenario looks the same at any speed. What each one shows:
 | ----------- | ------------------------------------------------------------ | ---------- |
 | healthy     | none: 1.5 % jitter, rare stalls, nodes²-scaled congestion    | slack spread over all ranks |
 | straggler   | rank ``STRAGGLER_RANK`` 8 % slower from step 20               | that rank arrives last almost every step |
-| oscillation | compute x 1.1 on odd steps, x 0.9 on even                    | lag-1 autocorrelation near -1 |
+| oscillation | compute x 1.1 on odd steps, x 0.9 on even                    | lag-1 autocorrelation near -1 (a congestion episode weakens it: docs/simulator.md) |
 | congestion  | every 100 steps a 20-step episode, collective x 4 (besides   | sync time and step time inflated in episodes |
 |             | healthy's random 1-step episodes)                            |            |
 | thermal     | per-node sinusoid, 6 % amplitude, 300-step period            | last arrivals move from node to node |
