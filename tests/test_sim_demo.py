@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -64,14 +65,42 @@ def test_demo_hardware_flag_and_its_env_twin(monkeypatch):
     assert cli.build_parser().parse_args(["demo", "--hardware"]).hardware is True
 
 
-def test_demo_scaling_prints_cv_against_the_paper():
-    out = subprocess.run([sys.executable, "-m", "syncwatch", "demo", "--scenario", "scaling"],
-                         capture_output=True, text=True, env=subprocess_env(), timeout=60)
+def _doc_row(path: Path, label: str) -> list[str]:
+    """The five CVs of the calibration table's row ``label`` in ``path``."""
+    (row,) = [ln for ln in path.read_text().splitlines() if ln.startswith(f"| {label} |")]
+    return [c.strip() for c in row.strip("|").split("|")[1:]]
+
+
+def test_demo_scaling_prints_cv_against_the_paper_and_the_docs_rows():
+    """The sweep, and with --ablations the comparison sweeps, as the calibration tables give them:
+    their two comparison rows no longer matched any output (nothing printed them)."""
+    out = subprocess.run([sys.executable, "-m", "syncwatch", "demo", "--scenario", "scaling",
+                          "--ablations"],
+                         capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert out.returncode == 0, out.stderr
-    rows = [ln.split() for ln in out.stdout.splitlines() if re.match(r"\s+\d+\s+\d+\s+\d+\s", ln)]
-    assert [int(r[0]) for r in rows] == [4, 8, 16, 32, 64]
-    cvs = [float(r[3]) for r in rows]
-    assert cvs == sorted(cvs) and [float(r[4]) for r in rows] == [0.02, 0.04, 0.09, 0.15, 0.22]
+    tables = out.stdout.split("\n\n")
+    assert [t.splitlines()[0] for t in tables[1:]] == ["Gaussian jitter only:", "+ stalls, no congestion:"]
+    rows = [[ln.split() for ln in t.splitlines() if re.match(r"\s+\d+\s+\d+\s+\d+\s", ln)]
+            for t in tables]
+    for table in rows:
+        assert [int(r[0]) for r in table] == [4, 8, 16, 32, 64]
+        assert [float(r[4]) for r in table] == [0.02, 0.04, 0.09, 0.15, 0.22]
+    cvs = [float(r[3]) for r in rows[0]]
+    assert cvs == sorted(cvs)
+    root = Path(__file__).resolve().parents[1]
+    sim, readme = root / "docs" / "simulator.md", root / "README.md"
+    printed = [[r[3] for r in table] for table in rows]
+    assert _doc_row(sim, "syncwatch model, seed 0") == printed[0]
+    assert _doc_row(readme, "`syncwatch demo --scenario scaling` (seed 0)") == printed[0]
+    assert _doc_row(sim, "Gaussian jitter only") == printed[1]
+    assert _doc_row(readme, "Gaussian jitter only (`--ablations`)") == printed[1]
+    assert _doc_row(sim, "+ stalls, no congestion") == printed[2]
+
+
+def test_demo_ablations_go_with_the_scaling_sweep_only(capsys):
+    from syncwatch import cli
+    assert cli.main(["demo", "--ablations", "--base-port", "0", "--duration", "1"]) == 2
+    assert capsys.readouterr().err.strip() == "syncwatch demo: --ablations goes with --scenario scaling"
 
 
 def test_demo_reports_a_taken_port_clearly():

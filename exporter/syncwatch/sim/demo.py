@@ -6,7 +6,8 @@ default), runs the chosen scenario in real time, prints where to scrape and a su
 ``--summary-every`` seconds until Ctrl-C, SIGTERM or SIGHUP (``kill``, a closed terminal), or
 ``--duration``; each stops the daemons and removes the temporary socket directory.
 ``--scenario scaling`` prints the model's step-CV-vs-nodes sweep beside the seed paper's table
-instead (no daemons).
+instead (no daemons); with ``--ablations`` also the sweeps of the model with Gaussian jitter only
+and with stalls but no congestion (the calibration table's comparison rows).
 With ``--hardware`` (the default) every node's daemon also runs the real GPU, NIC and InfiniBand
 collectors over that node's simulated hardware (``sim.hardware``): GPU temperature, clocks,
 throttling and energy, and fabric traffic and congestion counters that follow the scenario.
@@ -33,7 +34,7 @@ import time
 from ..cli import add_flag, plain
 from ..protocol import LABEL_RE
 from .driver import GroundTruth, node_name
-from .model import format_sweep, scaling_sweep
+from .model import ABLATIONS, Params, format_sweep, scaling_sweep
 from .scenarios import SCENARIOS, ScenarioThread
 
 NODE_PREFIX = "sim-node-"
@@ -74,6 +75,9 @@ def register(subparsers) -> None:
     _flag(p, "--seed", type=int, default=0, help="random seed of the simulation")
     _flag(p, "--job", default="", help="train_job label (empty = sim-SCENARIO)")
     _flag(p, "--summary-every", type=float, default=5.0, help="seconds between summary lines")
+    _flag(p, "--ablations", action="store_true",
+          help="with --scenario scaling: also the sweeps with Gaussian jitter only and with "
+               "stalls but no congestion")
     _flag(p, "--hardware", action=argparse.BooleanOptionalAction, default=True,
           help="give each simulated node fake GPUs and a RoCE NIC, driven by the simulation, and run "
                "the daemons' GPU, NIC and InfiniBand collectors over them (on unless --no-hardware)")
@@ -135,7 +139,14 @@ def main(args) -> int:
         print("Step-time CV against cluster size (model only, 8 ranks per node unless "
               "--ranks-per-node), beside the seed paper's baseline:")
         print(format_sweep(scaling_sweep(ranks_per_node=args.ranks_per_node, seed=args.seed)))
+        for title, changes in ABLATIONS.items() if args.ablations else ():
+            print(f"\n{title}:")
+            print(format_sweep(scaling_sweep(ranks_per_node=args.ranks_per_node, seed=args.seed,
+                                             params=Params(**changes)), digits=4))
         return 0
+    if args.ablations:
+        print("syncwatch demo: --ablations goes with --scenario scaling", file=sys.stderr)
+        return 2
     if args.nodes < 1 or not 0 < args.step_time < math.inf:
         print("syncwatch demo: --nodes and --step-time must be positive (and finite)",
               file=sys.stderr)

@@ -326,14 +326,19 @@ def scaling_sweep(node_counts=(4, 8, 16, 32, 64), ranks_per_node: int = 8, seed:
     return rows
 
 
-def format_sweep(rows: list[SweepRow]) -> str:
+# the calibration's comparison sweeps (docs/simulator.md): the default model less its effects
+ABLATIONS = {"Gaussian jitter only": dict(stall_probability=0.0, congestion_rate=0.0),
+             "+ stalls, no congestion": dict(congestion_rate=0.0)}
+
+
+def format_sweep(rows: list[SweepRow], digits: int = 3) -> str:
     lines = ["nodes  ranks  steps   step CV   paper CV",
              "-----  -----  -----  --------  --------"]
     for r in rows:
         paper = f"{r.paper_cv:8.3f}" if r.paper_cv is not None else "       -"
-        lines.append(f"{r.nodes:5d}  {r.ranks:5d}  {r.steps:5d}  {r.cv:8.3f}  {paper}")
+        lines.append(f"{r.nodes:5d}  {r.ranks:5d}  {r.steps:5d}  {r.cv:8.{digits}f}  {paper}")
     return "\n".join(lines)
 
 
 __all__ = ["Params", "Model", "StepTruth", "Restart", "step_cv", "lag1_autocorrelation",
-           "scaling_sweep", "format_sweep", "PAPER_CV", "SweepRow"]
+           "scaling_sweep", "format_sweep", "PAPER_CV", "SweepRow", "ABLATIONS"]
