@@ -142,9 +142,8 @@ class JobSpec:
         if self.checkpoint_stall is not None and not 0 <= self.checkpoint_stall <= self.checkpoint_seconds:
             raise AnalysisError("--checkpoint-stall must lie between 0 and --checkpoint-seconds")
         interval_seconds(self.checkpoint_interval)
-        most = self.max_replicas()
-        if most is not None and self.gpus // (self.tp * self.pp) > most:
-            dp = self.gpus // (self.tp * self.pp)
+        most, dp = self.max_replicas(), self.gpus // (self.tp * self.pp)
+        if most is not None and dp > most:
             nodes = int(most * self.tp * self.pp // self.gpus_per_node)
             raise AnalysisError(
                 f"--nodes {self.nodes} makes {dp} data-parallel replicas (TP {self.tp} x PP {self.pp}), but "

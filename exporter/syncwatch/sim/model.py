@@ -16,9 +16,9 @@ gradient collective:
 A rank's compute time is ``compute_seconds`` x (1 + Gaussian jitter) x its persistent-straggler,
 thermal and oscillation factors, plus a rare heavy-tailed stall (Pareto, capped). Fabric congestion
 episodes inflate the collective time; their chance per step grows with nodes² (pairwise flow
-collisions on an oversubscribed fabric); scheduled episodes (``congestion_every``) come besides. Restarts fail the job after chosen steps and resume from
-the last checkpoint with a new attempt: step numbers go back and the steps since the checkpoint
-are re-run. See docs/simulator.md for why each effect is there and how the defaults were fitted.
+collisions on an oversubscribed fabric); scheduled episodes (``congestion_every``) come besides.
+Restarts fail the job after chosen steps and resume from the last checkpoint with a new attempt:
+step numbers go back and the steps since the checkpoint are re-run. See docs/simulator.md for why each effect is there and how the defaults were fitted.
 """
 
 from __future__ import annotations
