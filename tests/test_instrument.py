@@ -1665,12 +1665,17 @@ ZERO_CODE_PREAMBLE = ("from syncwatch.instrument import auto\n"
 def run_zero_code(rx, script: str, imports: str = "") -> str:
     """Run ``script`` as one rank under zero-code mode (``imports`` first, before syncwatch
     patches anything), reporting to ``rx``; assert it succeeded, return what it printed."""
+    return zero_code_process(rx, script, imports).stdout
+
+
+def zero_code_process(rx, script: str, imports: str = "", **env) -> subprocess.CompletedProcess:
+    """``run_zero_code``'s process, its output and its warnings (stderr)."""
     pytest.importorskip("torch")
     out = subprocess.run([sys.executable, "-c", imports + ZERO_CODE_PREAMBLE + script],
                          capture_output=True, text=True,
-                         env=subprocess_env(SYNCWATCH_SOCKET=rx.path), timeout=120)
+                         env=subprocess_env(SYNCWATCH_SOCKET=rx.path, **env), timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
+    return out
 
 
 def test_zero_code_counts_the_steps_and_samples_of_a_second_run_in_the_same_process(rx):
@@ -1780,23 +1785,17 @@ def test_zero_code_leaves_a_model_alone_once_its_monitor_is_shut_down(rx, script
     assert out.strip().splitlines()[-1] == "ok"
 
 
-@needs_torch
 def test_init_after_zero_code_started_says_which_arguments_it_ignores(rx):
     """The script's ``init(job=...)`` after its model under ``syncwatch-run``: the monitor goes
     on as started (records labelled with the environment's job, not ``mine``), and a warning
     names what is ignored; it was dropped without a word."""
-    out = subprocess.run(
-        [sys.executable, "-c", ZERO_CODE_PREAMBLE
-         + "import syncwatch.instrument as sw\n"
-           "model = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
-           "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-           "sw.init(job='mine', heartbeat_seconds=1)\n"
-           "sw.init()\n"
-           "model(torch.randn(4, 8)).sum().backward(); opt.step()\n"
-           "sw.step(4)\n"],
-        capture_output=True, text=True, timeout=120,
-        env=subprocess_env(SYNCWATCH_SOCKET=rx.path, SYNCWATCH_JOB="from-env"))
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = zero_code_process(rx, "import syncwatch.instrument as sw\n"
+                                "model = DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+                                "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                                "sw.init(job='mine', heartbeat_seconds=1)\n"
+                                "sw.init()\n"
+                                "model(torch.randn(4, 8)).sum().backward(); opt.step()\n"
+                                "sw.step(4)\n", SYNCWATCH_JOB="from-env")
     assert out.stderr.count("ignores job, heartbeat_seconds;") == 1, out.stderr[-2000:]
     (rec,) = steps(rx, 1)
     assert rec.identity.train_job == "from-env"

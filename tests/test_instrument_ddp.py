@@ -32,13 +32,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, args: list[str], tmp_path: Path, tag: str, **env) -> list[subprocess.Popen]:
+def launch(world: int, args: list[str], tmp_path: Path, tag: str, *, script: str = WORKER,
+           wrapper: list[str] = (), **env) -> list[subprocess.Popen]:
+    """Start ``script args`` (behind ``wrapper``, e.g. ``syncwatch-run``'s command) once per rank,
+    as torchrun starts its workers; each rank's output goes to ``tmp_path/tag-rankN.log``."""
     port = str(free_port())
     procs = []
     for rank in range(world):
         log = open(tmp_path / f"{tag}-rank{rank}.log", "w")
         procs.append(subprocess.Popen(
-            [sys.executable, WORKER, *args], stdout=log, stderr=subprocess.STDOUT,
+            [*wrapper, sys.executable, script, *args], stdout=log, stderr=subprocess.STDOUT,
             env=subprocess_env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                                MASTER_PORT=port, **env)))
     return procs
@@ -261,17 +264,22 @@ def test_results_identical_with_daemon_absent_killed_and_restarted(sock_path, tm
         assert_same_results(outs["plain"], outs[kind], world)
 
 
+def syncwatch_run(job: str, skew_every: int = 0) -> list[str]:
+    """The command that runs another under ``syncwatch-run --job job``."""
+    return [sys.executable, "-m", "syncwatch.instrument.run", "--job", job, "--skew-every",
+            str(skew_every)]
+
+
 def torchrun(tmp_path: Path, sock_path: str, args: list[str], job: str | None = None,
-             world: int = 2, skew_every: int = 0) -> str:
-    """Run ``WORKER args`` on ``world`` ranks under torch.distributed.run: unmodified, or under
+             world: int = 2, skew_every: int = 0, script: str = WORKER) -> str:
+    """Run ``script args`` on ``world`` ranks under torch.distributed.run: unmodified, or under
     ``syncwatch-run --job job`` when a job is given. Asserts it succeeded; returns its output."""
-    wrapper = [sys.executable, "-m", "syncwatch.instrument.run", "--job", job, "--skew-every",
-               str(skew_every)] if job else []
+    wrapper = syncwatch_run(job, skew_every) if job else []
     path = tmp_path / f"{job or 'plain'}.log"
     with open(path, "w") as log:
         proc = subprocess.run(
             [*wrapper, sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc-per-node", str(world), WORKER, *args],
+             "--nproc-per-node", str(world), script, *args],
             env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=log, stderr=subprocess.STDOUT,
             timeout=180)
     text = path.read_text()
@@ -556,15 +564,7 @@ def test_zero_code_with_a_model_that_only_some_ranks_build(daemon, sock_path, tm
     script = tmp_path / "subset.py"
     script.write_text(SUBSET_SCRIPT)
     job = "zc-subset"
-    log = tmp_path / "subset.log"
-    with open(log, "w") as out:
-        proc = subprocess.run(
-            [sys.executable, "-m", "syncwatch.instrument.run", "--job", job, "--skew-every", "2",
-             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-             "2", str(script)], env=subprocess_env(SYNCWATCH_SOCKET=sock_path), stdout=out,
-            stderr=subprocess.STDOUT, timeout=120)
-    text = log.read_text()
-    assert proc.returncode == 0, text[-3000:]
+    text = torchrun(tmp_path, sock_path, [], job, skew_every=2, script=str(script))
     assert "the first model's process group is a part of the world" in text
     m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job) == {0: 5})
     assert m.by_rank("syncwatch_steps_total", train_job=job) == {0: 5}
@@ -595,16 +595,11 @@ def test_a_generated_job_name_is_shared_without_waiting_for_rank_0(sock_path, tm
     thread, however late or absent rank 0 was)."""
     script = tmp_path / "shared_job.py"
     script.write_text(SHARED_JOB_SCRIPT)
-    port = str(free_port())
-    env = {k: v for k, v in subprocess_env(SYNCWATCH_SOCKET=sock_path).items()
-           if k not in ("SYNCWATCH_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
-    procs = [subprocess.Popen([sys.executable, str(script), who.split()[0]],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**env, "RANK": str(r), "WORLD_SIZE": "2",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
-             for r in (0, 1)]
-    outs = [p.communicate(timeout=90)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    procs = launch(2, [who.split()[0]], tmp_path, "shared", script=str(script),
+                   SYNCWATCH_SOCKET=sock_path, SYNCWATCH_JOB="", TORCHELASTIC_RUN_ID="",
+                   SLURM_JOB_ID="")  # empty: no job name from a launcher
+    finish(procs, tmp_path, "shared")
+    outs = [(tmp_path / f"shared-rank{r}.log").read_text() for r in (0, 1)]
     (job0, _), (job1, seconds1) = (o.strip().splitlines()[-1].split() for o in outs)
     assert job1.startswith("job-") and job0 == (job1 if who == "all" else "-")
     assert float(seconds1) < 10  # rank 0, a second late or never there, held nobody up
@@ -622,17 +617,12 @@ def test_zero_code_resuming_from_a_checkpoint_counts_the_steps_run_again(
     for kind in ("plain", "zc"):
         outs[kind] = out = tmp_path / kind
         out.mkdir()
-        wrapper = [sys.executable, "-m", "syncwatch.instrument.run", "--job", job,
-                   "--skew-every", "0"] if kind == "zc" else []
+        wrapper = syncwatch_run(job) if kind == "zc" else []
         for attempt in (0, 1):
-            tag, port = f"{kind}{attempt}", str(free_port())
-            procs = [subprocess.Popen(
-                [*wrapper, sys.executable, RESUME_WORKER, "--ckpt", str(out / "ckpt.pt"),
-                 "--out", str(out)], stdout=open(tmp_path / f"{tag}-rank{rank}.log", "w"),
-                stderr=subprocess.STDOUT,
-                env=subprocess_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                   MASTER_PORT=port, TORCHELASTIC_RESTART_COUNT=str(attempt),
-                                   SYNCWATCH_SOCKET=sock_path)) for rank in (0, 1)]
+            tag = f"{kind}{attempt}"
+            procs = launch(2, ["--ckpt", str(out / "ckpt.pt"), "--out", str(out)], tmp_path, tag,
+                           script=RESUME_WORKER, wrapper=wrapper, SYNCWATCH_SOCKET=sock_path,
+                           TORCHELASTIC_RESTART_COUNT=str(attempt))
             if attempt == 0:  # rank 0 fails; rank 1 then finds its peer gone
                 try:
                     assert procs[0].wait(90) == 1 and procs[1].wait(30) != 0
