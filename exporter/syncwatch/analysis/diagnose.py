@@ -368,11 +368,13 @@ def detect_fabric(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
     corr = {name: _pearson(coll, series) for name, series in congestion.items()}
     corr_tax = {name: _pearson(tax, series) for name, series in congestion.items()}
     best = max((c for c in list(corr.values()) + list(corr_tax.values()) if c is not None), default=None)
-    episodes = frac >= th.inflated_windows
     # one inflated window is one event, whatever the counters do then: a correlation over
     # windows that one outlier drives (the simulator's rare congested step) read 0.9 on a
-    # straggler job without any fabric problem
-    follows = best is not None and best >= th.correlation and len(inflated) >= 2
+    # straggler job without any fabric problem, and over a short range one window is past the
+    # share of windows (1 of 8: a host stall in one window read as contention)
+    pattern = len(inflated) >= 2
+    episodes = pattern and frac >= th.inflated_windows
+    follows = pattern and best is not None and best >= th.correlation
     if not episodes and not follows:
         return []
     # without the skew exchange the slack taken out is estimated from mean waits: the "collective
