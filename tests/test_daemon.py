@@ -9,6 +9,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import statistics
 import struct
 import subprocess
@@ -838,6 +839,24 @@ def test_socket_directory_created_0750(tmp_path):
     path = os.path.join(tempfile.mkdtemp(prefix="sw-"), "run", "ingest.sock")
     with DaemonThread(config(path)):
         assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o750
+
+
+def test_a_socket_path_too_long_for_unix_sockets_says_so():
+    # bind() raises OSError("AF_UNIX path too long") without a strerror: the daemon said
+    # "cannot bind ingest socket ...: None", after creating the socket's directory
+    import tempfile
+    base = tempfile.mkdtemp(prefix="sw-")
+    path = os.path.join(base, "d" * (107 - len(base) - len("//ingest.sock")), "ingest.sock")
+    assert len(path) == 107
+    with DaemonThread(config(path)):
+        assert stat.S_ISSOCK(os.stat(path).st_mode)  # 107 bytes is the most that binds
+    longer = os.path.join(base, "e" * (108 - len(base) - len("//ingest.sock")), "ingest.sock")
+    r = subprocess.run(_daemon_cmd("--listen", "127.0.0.1:0", "--socket", longer),
+                       env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr == (f"syncwatch daemon: socket path {longer} is 108 bytes; a Unix socket path "
+                        f"has at most 107: choose a shorter one\n")
+    assert not os.path.exists(os.path.dirname(longer))
 
 
 def test_cli_sigterm_clean_and_errors_exit_2(sock_path):
