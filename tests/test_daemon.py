@@ -25,7 +25,7 @@ from daemon_helpers import (WALL0, Client, RankSim, healthz, identity, rss_of, s
 from syncwatch.daemon import DaemonConfig, DaemonThread
 from syncwatch.daemon.state import STEP_BUCKETS, SUPERSEDE_SECONDS, State
 from syncwatch.protocol import (IDENT_FIXED, PHASES, REJECT_REASONS, SKEW_BUCKETS, Cumulative,
-                                Decoder, Encoder, SkewHistogram)
+                                Decoder, Encoder, ProtocolError, SkewHistogram)
 from syncwatch.sender import Sender
 
 
@@ -571,6 +571,20 @@ def test_a_new_process_with_a_lower_attempt_takes_over_once_the_old_one_is_gone(
     assert rank(0, job.ranks).ident.pid == 200 and rank(0, job.ranks).last_step == 22
     assert rank(1, job.ranks).ident.pid == 201 and rank(1, job.ranks).last_step == 21
     assert job.attempt == 1 and job.restarts == 1 and job.rerun_steps == 9  # 22..30 again
+
+
+def test_limit_rejects_name_the_job_or_rank_left_out_and_the_flag():
+    """Logged as "job_limit: already 1 jobs": not which job was missing from the dashboards, nor
+    what to raise."""
+    state, decoder = State(DaemonConfig(socket=None, max_jobs=1, max_ranks=2)), Decoder()
+    state.apply(decoder.decode(RankSim(identity(0)).step(1, 0.1)))
+    with pytest.raises(ProtocolError) as e:
+        state.apply(decoder.decode(RankSim(identity(0, job="job-b")).step(1, 0.1)))
+    assert str(e.value) == "job_limit: train job 'job-b' not tracked: already 1 jobs (--max-jobs)"
+    state.apply(decoder.decode(RankSim(identity(1)).step(1, 0.1)))
+    with pytest.raises(ProtocolError) as e:
+        state.apply(decoder.decode(RankSim(identity(2)).step(1, 0.1)))
+    assert str(e.value) == "rank_limit: train job 'job-a' rank 2 not tracked: already 2 ranks (--max-ranks)"
 
 
 @pytest.mark.parametrize("attempt", [0, 1])

@@ -193,6 +193,36 @@ def test_bad_heartbeat_and_end_values():
     assert reason_of(bytes(end)) == "bad_value"
 
 
+def _end_with(last_step: int) -> bytes:
+    end = Encoder(IDENT).end(WALL, 1)
+    return end[:-9] + struct.pack("<q", last_step) + end[-1:]
+
+
+@pytest.mark.parametrize("data, message", [
+    # an end record with a bad last step was "end reason 0", its valid reason; no message named
+    # the field, nor the rank that sent the record (its identity block is valid by then)
+    (_end_with(-5), "last_step -5 is not within 0..2**53"),
+    (Encoder(IDENT).end(WALL, 1)[:-1] + b"\x07", "end reason code 7 (0..2)"),
+    (step_bytes(wait_seconds=float("inf")), "wait_seconds inf is not within 0..1e+06"),
+    (step_bytes(phase_seconds=(0.1,) * (len(PHASES) - 1) + (-1.0,)),
+     "eval phase seconds -1.0 is not within 0..1e+06"),
+    (step_bytes(samples=-1.0), "samples -1.0 is not within 0..1e+15"),
+    (step_bytes(totals=Cumulative(steps=2, last_arrivals=3)),
+     "last_arrivals 3 is not within 0..steps_total 2"),
+    (step_bytes(totals=Cumulative(steps=1, dropped_records=2, reported_dropped=3)),
+     "reported_dropped 3 is not within 0..dropped_records 2"),
+    (Encoder(IDENT).heartbeat(WALL, 1, 5.0, "sync", 1.0, 1),
+     "last_step_wall_time 5.0 is neither 0 nor a plausible unix time"),
+    (Encoder(IDENT).heartbeat(WALL, 1, WALL, "sync", 1.0, -3), "collective_sequence -3 is not within"),
+    (step_bytes() + b"\x00", "1 unknown trailing bytes"),
+])
+def test_a_rejected_record_names_its_field_and_sender(data, message):
+    with pytest.raises(ProtocolError) as e:
+        Decoder().decode(data)
+    assert message in str(e.value)
+    assert str(e.value).endswith("(from train job 'llama-7b.run:3' rank 5 pid 4242 on gpu-node-07)")
+
+
 def test_random_bytes_and_mutations_only_ever_raise_protocol_errors():
     rng = random.Random(2024)
     d = Decoder()

@@ -105,6 +105,7 @@ class ProtocolError(ValueError):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.detail = detail
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,10 +296,35 @@ def decode_identity(block: bytes, version: int = VERSION) -> Identity:
     return ident
 
 
-def _check_floats(values, limit: float, what: str) -> None:
+# the names of the values _check_floats is given, for its reject message
+_DURATIONS = ("step_seconds", "wait_seconds", *(f"{p} phase seconds" for p in PHASES))
+_COUNTERS = ("samples", "tokens", "step_seconds_total", *(f"{p} phase seconds total" for p in PHASES),
+             "slack_seconds_total", "samples_total", "tokens_total")
+
+
+def _check_floats(values, limit: float, names) -> None:
     # sum() is NaN or inf if any element is; min/max then bound the finite ones.
     if not math.isfinite(sum(values)) or min(values) < 0.0 or max(values) > limit:
-        raise ProtocolError("bad_value", f"{what} must be finite and within 0..{limit:g}")
+        name, value = next((n, v) for n, v in zip(names, values) if not 0.0 <= v <= limit)
+        raise ProtocolError("bad_value", f"{name} {value!r} is not within 0..{limit:g}")
+
+
+def _first_failed(checks) -> str:
+    """The description of the first failed check of ``(passed, description)`` pairs."""
+    return next(what for passed, what in checks if not passed)
+
+
+def _sender(ident: Identity) -> str:
+    return f"train job {ident.train_job!r} rank {ident.rank} pid {ident.pid} on {ident.node}"
+
+
+def _count_checks(dropped: int, errors: int, rep_dropped: int, rep_errors: int) -> tuple:
+    return ((0 <= dropped <= MAX_STEP, f"dropped_records {dropped} is not within 0..2**53"),
+            (0 <= rep_dropped <= dropped,
+             f"reported_dropped {rep_dropped} is not within 0..dropped_records {dropped}"),
+            (0 <= errors <= MAX_STEP, f"internal_errors {errors} is not within 0..2**53"),
+            (0 <= rep_errors <= errors,
+             f"reported_errors {rep_errors} is not within 0..internal_errors {errors}"))
 
 
 class Decoder:
@@ -336,13 +362,16 @@ class Decoder:
         if body_at > n:
             raise ProtocolError("truncated", "identity block cut short")
         ident = self._identity(bytes(data[HEADER.size:body_at]), version)
-        if kind == KIND_STEP:
-            return self._step(ident, data, body_at)
-        if kind == KIND_HEARTBEAT:
-            return self._heartbeat(ident, data, body_at)
-        if kind == KIND_END:
-            return self._end(ident, data, body_at)
-        raise ProtocolError("unknown_kind", f"kind {kind}")
+        try:
+            if kind == KIND_STEP:
+                return self._step(ident, data, body_at)
+            if kind == KIND_HEARTBEAT:
+                return self._heartbeat(ident, data, body_at)
+            if kind == KIND_END:
+                return self._end(ident, data, body_at)
+            raise ProtocolError("unknown_kind", f"kind {kind}")
+        except ProtocolError as e:  # the identity is valid: say who sent the record
+            raise ProtocolError(e.reason, f"{e.detail} (from {_sender(ident)})") from None
 
     @staticmethod
     def _fixed(body: struct.Struct, data: bytes, at: int, extra: int = 0) -> tuple:
@@ -371,19 +400,26 @@ class Decoder:
          rep_errors) = c[2 + _NPH:11 + _NPH]
         if not MIN_WALL <= wall <= MAX_WALL:
             raise ProtocolError("bad_value", f"wall_time {wall!r} is not a plausible unix time")
-        _check_floats((step_s, wait_s, *phases), MAX_SECONDS, "durations")
+        _check_floats((step_s, wait_s, *phases), MAX_SECONDS, _DURATIONS)
         _check_floats((samples, tokens, step_s_total, *phase_totals, slack, samples_total,
-                       tokens_total), MAX_TOTAL, "counters")
+                       tokens_total), MAX_TOTAL, _COUNTERS)
         if not (0 <= step <= MAX_STEP and 0 <= seq <= MAX_STEP and 0 <= steps_total <= MAX_STEP
                 and 0 <= last_arr <= steps_total and 0 <= ckpts <= MAX_STEP
                 and 0 <= rep_dropped <= dropped <= MAX_STEP
                 and 0 <= rep_errors <= errors <= MAX_STEP):
-            raise ProtocolError("bad_value", "integer field out of range")
+            raise ProtocolError("bad_value", _first_failed((
+                (0 <= step <= MAX_STEP, f"step {step} is not within 0..2**53"),
+                (0 <= seq <= MAX_STEP, f"collective_sequence {seq} is not within 0..2**53"),
+                (0 <= steps_total <= MAX_STEP, f"steps_total {steps_total} is not within 0..2**53"),
+                (0 <= last_arr <= steps_total,
+                 f"last_arrivals {last_arr} is not within 0..steps_total {steps_total}"),
+                (0 <= ckpts <= MAX_STEP, f"checkpoints {ckpts} is not within 0..2**53"),
+                *_count_checks(dropped, errors, rep_dropped, rep_errors))))
         skew = None
         if extra:
             sv = SKEW_BODY.unpack_from(data, at + STEP_BODY.size)
             count, ssum, buckets = sv[0], sv[1], sv[2:]
-            _check_floats((ssum,), MAX_TOTAL, "skew sum")
+            _check_floats((ssum,), MAX_TOTAL, ("skew histogram sum",))
             if count < 0 or any(b < 0 for b in buckets) or any(
                     a > b for a, b in zip(buckets, buckets[1:] + (count,))):
                 raise ProtocolError("bad_value", "skew histogram buckets are not cumulative")
@@ -397,22 +433,30 @@ class Decoder:
     def _heartbeat(self, ident: Identity, data: bytes, at: int) -> HeartbeatRecord:
         (wall, last_step, last_wall, phase, elapsed, seq, dropped, errors, rep_dropped,
          rep_errors) = self._fixed(HEARTBEAT_BODY, data, at)
-        if not MIN_WALL <= wall <= MAX_WALL or not (last_wall == 0 or MIN_WALL <= last_wall <= MAX_WALL):
-            raise ProtocolError("bad_value", "wall time is not a plausible unix time")
+        if not MIN_WALL <= wall <= MAX_WALL:
+            raise ProtocolError("bad_value", f"wall_time {wall!r} is not a plausible unix time")
+        if not (last_wall == 0 or MIN_WALL <= last_wall <= MAX_WALL):
+            raise ProtocolError("bad_value", f"last_step_wall_time {last_wall!r} is neither 0 nor "
+                                             f"a plausible unix time")
         if phase >= _NPH:
-            raise ProtocolError("bad_value", f"phase code {phase}")
-        _check_floats((elapsed,), MAX_SECONDS, "phase_elapsed")
+            raise ProtocolError("bad_value", f"phase code {phase} (0..{_NPH - 1})")
+        _check_floats((elapsed,), MAX_SECONDS, ("phase_elapsed",))
         if not (0 <= last_step <= MAX_STEP and 0 <= seq <= MAX_STEP
                 and 0 <= rep_dropped <= dropped <= MAX_STEP
                 and 0 <= rep_errors <= errors <= MAX_STEP):
-            raise ProtocolError("bad_value", "integer field out of range")
+            raise ProtocolError("bad_value", _first_failed((
+                (0 <= last_step <= MAX_STEP, f"last_step {last_step} is not within 0..2**53"),
+                (0 <= seq <= MAX_STEP, f"collective_sequence {seq} is not within 0..2**53"),
+                *_count_checks(dropped, errors, rep_dropped, rep_errors))))
         return HeartbeatRecord(ident, wall, last_step, last_wall, PHASES[phase], elapsed, seq,
                                dropped, errors, rep_dropped, rep_errors)
 
     def _end(self, ident: Identity, data: bytes, at: int) -> EndRecord:
         wall, last_step, reason = self._fixed(END_BODY, data, at)
         if not MIN_WALL <= wall <= MAX_WALL:
-            raise ProtocolError("bad_value", "wall time is not a plausible unix time")
-        if reason >= len(END_REASONS) or not 0 <= last_step <= MAX_STEP:
-            raise ProtocolError("bad_value", f"end reason {reason}")
+            raise ProtocolError("bad_value", f"wall_time {wall!r} is not a plausible unix time")
+        if reason >= len(END_REASONS):
+            raise ProtocolError("bad_value", f"end reason code {reason} (0..{len(END_REASONS) - 1})")
+        if not 0 <= last_step <= MAX_STEP:
+            raise ProtocolError("bad_value", f"last_step {last_step} is not within 0..2**53")
         return EndRecord(ident, wall, last_step, END_REASONS[reason])

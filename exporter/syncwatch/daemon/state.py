@@ -287,16 +287,17 @@ class State:
         job = self.jobs.get(ident.train_job)
         if job is None:
             if len(self.jobs) >= self.config.max_jobs:
-                raise ProtocolError("job_limit", f"already {len(self.jobs)} jobs")
+                raise ProtocolError("job_limit", f"train job {ident.train_job!r} not tracked: "
+                                                 f"already {len(self.jobs)} jobs (--max-jobs)")
             if self.n_ranks >= self.config.max_ranks:
-                raise ProtocolError("rank_limit", f"already {self.n_ranks} ranks")
+                raise self._rank_limit(ident)
             job = self.jobs[ident.train_job] = JobState(now)
         r = job.ranks.get(ident.rank)
         if r is not None and r.ident is ident:  # the decoder caches identities: the common case
             return r, job
         if r is None:
             if self.n_ranks >= self.config.max_ranks:
-                raise ProtocolError("rank_limit", f"already {self.n_ranks} ranks")
+                raise self._rank_limit(ident)
             self.n_ranks += 1
         elif (ident.process, ident.attempt) == r.superseded:
             # The process this one took over from speaks again: both live, the same rank of the
@@ -322,6 +323,10 @@ class State:
         r = job.ranks[ident.rank] = RankState(ident, self.config.window, now)
         r.superseded = before if before is not None and before[1] == ident.attempt else None
         return r, job
+
+    def _rank_limit(self, ident: Identity) -> ProtocolError:
+        return ProtocolError("rank_limit", f"train job {ident.train_job!r} rank {ident.rank} not "
+                                           f"tracked: already {self.n_ranks} ranks (--max-ranks)")
 
     def _rank0_identity(self, job: JobState, ident: Identity) -> None:
         job.world_size = ident.world_size
