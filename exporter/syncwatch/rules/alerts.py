@@ -121,11 +121,12 @@ def progress(c: Ctx) -> list[dict]:
     return [
         alert(c, "SyncwatchJobStalled",
               f"(\n  time() - max by (train_job) (syncwatch_last_step_timestamp_seconds)\n)\n"
-              # the remembered step time is NaN once the job made no step for the whole memory
-              # (its mean of 0 steps): then the allowance is stall_min, and the alert stays on
+              # the remembered step time has no value once the job made no step for the whole
+              # memory (no window with a step to divide by): then the allowance is stall_min, and
+              # the alert stays on
               f"> on (train_job)\n(\n  clamp_min(\n"
               f"    {t.stall_factor:g} * max_over_time(train_job:syncwatch_step_seconds:mean5m[{c.d(w.stall_memory)}]),\n"
-              f"    {c.seconds(w.stall_min)}\n  ) >= 0\n"
+              f"    {c.seconds(w.stall_min)}\n  )\n"
               f"  or on (train_job)\n"
               f"  0 * group by (train_job) (syncwatch_rank_info) + {c.seconds(w.stall_min)}\n)\n"
               f"and on (train_job)\ngroup by (train_job) (\n  {LIVE_RANKS}\n)\n"

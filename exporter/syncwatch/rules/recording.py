@@ -68,7 +68,7 @@ def recording_rules(c: Ctx) -> list[dict]:
         {"record": "train_job:syncwatch_steps:rate5m",
          "expr": f"avg by (train_job) (rate(syncwatch_steps_total[{r}]))"},
         {"record": "train_job:syncwatch_step_seconds:mean5m",
-         "expr": f"{rate_by('syncwatch_step_seconds_total', r)}\n/\n{rate_by('syncwatch_steps_total', r)}"},
+         "expr": f"{rate_by('syncwatch_step_seconds_total', r)}\n/\n({rate_by('syncwatch_steps_total', r)} > 0)"},
         # each rank's, less its checkpoint and eval phases (planned pauses, not jitter; the
         # daemon's step_cv reads the same), which are 0 where it reports none; the least
         # disturbed rank's, as for the CV (train_job:syncwatch_step_cv:min)
@@ -85,10 +85,10 @@ def recording_rules(c: Ctx) -> list[dict]:
         # --- where the time goes
         {"record": "train_job:syncwatch_sync_tax:ratio5m",
          "expr": f"{rate_by(SYNC_PHASE, r)}\n/\n"
-                 f"{rate_by('syncwatch_step_seconds_total', r)}"},
+                 f"({rate_by('syncwatch_step_seconds_total', r)} > 0)"},
         {"record": "train_job_phase:syncwatch_phase:ratio5m",
          "expr": f"{rate_by('syncwatch_phase_seconds_total', r, 'train_job, phase')}\n"
-                 f"/ on (train_job) group_left\n{rate_by('syncwatch_step_seconds_total', r)}"},
+                 f"/ on (train_job) group_left ()\n({rate_by('syncwatch_step_seconds_total', r)} > 0)"},
         # --- the fallback's inputs, for jobs without the exact skew exchange only (K = 0; a job
         # with it pays no series for them): each rank's mean wait per step, over 5m and 1m
         {"record": "train_job_rank:syncwatch_sync_wait:mean5m",
@@ -108,14 +108,14 @@ def recording_rules(c: Ctx) -> list[dict]:
                  f"or\n0 * train_job_rank:syncwatch_sync_wait:mean1m"},
         {"record": "train_job:syncwatch_coupling:ratio5m",
          "expr": f"{rate_by('syncwatch_slack_seconds_total', r)}\n/\n"
-                 f"{rate_by('syncwatch_step_seconds_total', r)}\n"
+                 f"({rate_by('syncwatch_step_seconds_total', r)} > 0)\n"
                  f"or on (train_job)\n"
                  f"sum by (train_job) (\n  {slack_est.replace(chr(10), chr(10) + '  ')}\n"
                  f"  * on (train_job, rank)\n  {rate_by('syncwatch_steps_total', r, 'train_job, rank')}\n)\n"
                  f"/\n{rate_by('syncwatch_step_seconds_total', r)}"},
         {"record": "train_job_rank:syncwatch_slack:ratio5m",
          "expr": f"{rate_by('syncwatch_slack_seconds_total', r, 'train_job, rank')}\n/\n"
-                 f"{rate_by('syncwatch_step_seconds_total', r, 'train_job, rank')}\n"
+                 f"({rate_by('syncwatch_step_seconds_total', r, 'train_job, rank')} > 0)\n"
                  f"or on (train_job)\n"
                  f"{slack_est}\n"
                  f"/ on (train_job, rank)\n(\n"
@@ -124,14 +124,14 @@ def recording_rules(c: Ctx) -> list[dict]:
         # --- stragglers: who arrives last, and how concentrated that is
         {"record": "train_job_rank:syncwatch_last_arrival:ratio10m",
          "expr": f"(\n  {rate_by('syncwatch_last_arrivals_total', conc, 'train_job, rank')}\n  /\n"
-                 f"  {rate_by('syncwatch_steps_total', conc, 'train_job, rank')}\n"
+                 f"  ({rate_by('syncwatch_steps_total', conc, 'train_job, rank')} > 0)\n"
                  f"  or on (train_job)\n"
                  f"  avg_over_time(train_job_rank:syncwatch_last_arrival:estimate1m[{conc}])\n"
                  f"  unless on (train_job)\n  {exact}\n)\n"
                  f"* on (train_job, rank) group_left (node)\n{RANK_NODE}"},
         {"record": "train_job:syncwatch_straggler_concentration:ratio10m",
          "expr": f"max by (train_job) ({rate_by('syncwatch_last_arrivals_total', conc, 'train_job, rank')})\n"
-                 f"/\n{rate_by('syncwatch_last_arrivals_total', conc)}\n"
+                 f"/\n({rate_by('syncwatch_last_arrivals_total', conc)} > 0)\n"
                  f"or on (train_job)\n"
                  f"(\n  max by (train_job) (train_job_rank:syncwatch_last_arrival:ratio10m)\n  /\n"
                  f"  sum by (train_job) (train_job_rank:syncwatch_last_arrival:ratio10m)\n)\n"
@@ -164,7 +164,8 @@ def recording_rules(c: Ctx) -> list[dict]:
                  f"- min by (train_job) (train_job_rank:syncwatch_sync_wait:mean5m)"},
         {"record": "train_job:syncwatch_barrier_skew_seconds:p99_5m",
          "expr": f"histogram_quantile(0.99, "
-                 f"{rate_by('syncwatch_barrier_skew_seconds_bucket', r, 'train_job, le')})"},
+                 f"{rate_by('syncwatch_barrier_skew_seconds_bucket', r, 'train_job, le')})\n"
+                 f"and on (train_job)\n({rate_by('syncwatch_barrier_skew_seconds_count', r)} > 0)"},
         {"record": "train_job:syncwatch_skew_step:ratio5m",
          "expr": "train_job:syncwatch_barrier_skew_seconds:mean5m\n/\n(train_job:syncwatch_step_seconds:mean5m > 0)"},
         {"record": "train_job:syncwatch_skew_step:baseline",
