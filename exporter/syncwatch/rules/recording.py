@@ -71,13 +71,21 @@ def recording_rules(c: Ctx) -> list[dict]:
          "expr": f"{rate_by('syncwatch_step_seconds_total', r)}\n/\n({rate_by('syncwatch_steps_total', r)} > 0)"},
         # each rank's, less its checkpoint and eval phases (planned pauses, not jitter; the
         # daemon's step_cv reads the same), which are 0 where it reports none; the least
-        # disturbed rank's, as for the CV (train_job:syncwatch_step_cv:min)
+        # disturbed rank's, as for the CV (train_job:syncwatch_step_cv:min). Nor is a process's
+        # first step, its warm-up, jitter (the daemon leaves it out of step_cv too): a window
+        # that holds the start of one of the rank's processes (its counter reset, or a series
+        # not a window old: rate() extrapolates its first value) has no value. A 10 s first
+        # step among 0.5 s steps made one minute's mean 10 s after a restart in place, and the
+        # counter CV 2.0 (bad at 0.035) for the next 10 minutes.
         {"record": "train_job:syncwatch_step_seconds:mean1m",
          "expr": f"min by (train_job) (\n"
                  f"  (\n    {rate_by('syncwatch_step_seconds_total', rs, RANK)}\n"
                  f"    - ({rate_by(PAUSE_PHASES, rs, RANK)}\n"
                  f"       or 0 * {rate_by('syncwatch_step_seconds_total', rs, RANK)})\n  )\n"
-                 f"  /\n  ({rate_by('syncwatch_steps_total', rs, RANK)} > 0)\n)"},
+                 f"  /\n  ({rate_by('syncwatch_steps_total', rs, RANK)} > 0)\n"
+                 f"  unless on (train_job, rank)\n"
+                 f"  (\n    resets(syncwatch_steps_total[{rs}]) > 0\n"
+                 f"    or\n    syncwatch_steps_total unless syncwatch_steps_total offset {rs}\n  )\n)"},
         {"record": "train_job:syncwatch_samples:rate5m",
          "expr": rate_by("syncwatch_samples_total", r)},
         {"record": "train_job:syncwatch_tokens:rate5m",
@@ -134,7 +142,7 @@ def recording_rules(c: Ctx) -> list[dict]:
                  f"/\n({rate_by('syncwatch_last_arrivals_total', conc)} > 0)\n"
                  f"or on (train_job)\n"
                  f"(\n  max by (train_job) (train_job_rank:syncwatch_last_arrival:ratio10m)\n  /\n"
-                 f"  sum by (train_job) (train_job_rank:syncwatch_last_arrival:ratio10m)\n)\n"
+                 f"  (sum by (train_job) (train_job_rank:syncwatch_last_arrival:ratio10m) > 0)\n)\n"
                  f"unless on (train_job)\n{exact}"},
         # --- variance: per-step CV from the ranks' rolling windows, and from counters
         # the least disturbed rank's: the ranks of a synchronous job share one step time, each
