@@ -39,7 +39,8 @@ FEW_STEPS = 100  # below this many steps in range a healthy verdict says it rest
 class Thresholds:
     coupling: float = 0.05             # share of rank-time idled for slower peers worth a finding
     persistent_share: float = 0.5      # one rank's share of last arrivals: a persistent straggler
-    rotating_node_share: float = 0.6   # mean per-window share of the top node: node-level straggling
+    rotating_node_share: float = 0.6   # mean per-window share of the top node: node-level straggling ...
+    rotating_node_excess: float = 0.45  # ... and this far from an even split (1/nodes) to all: 72.5 % of 2
     oscillation: float = -0.5          # lag-1 autocorrelation of step time
     collective_inflation: float = 1.5  # window collective time / quiet baseline (20th percentile)
     inflated_windows: float = 0.1      # share of windows inflated: contention, not a blip
@@ -221,7 +222,7 @@ def detect_stragglers(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
                      "rebalance: give the slow rank a smaller share of the batch if its slowness is structural"],
             confidence=min(0.95, 0.5 + share / 2) - (0 if exact else ESTIMATE_PENALTY),
             subject={"rank": top, "node": node})]
-    if coupling >= th.coupling and node_rotation(v)[0] < th.rotating_node_share:
+    if coupling >= th.coupling and not node_dominates(node_rotation(v)[0], len(v.nodes), th):
         return [Finding(
             mode="straggler_transient", title="Transient jitter amplified by synchronization",
             phenomenon=f"{'' if exact else 'At least '}{pct(coupling)} of all rank-time is idle at the "
@@ -255,6 +256,16 @@ def node_rotation(v: JobView) -> tuple[float, list[str]]:
     return (sum(shares) / len(shares) if shares else 0.0), tops
 
 
+def node_dominates(share: float, nodes: int, th: Thresholds) -> bool:
+    """Whether the top node's mean per-window share of last arrivals is node-level straggling: at
+    least ``rotating_node_share``, and ``rotating_node_excess`` of the way from an even split
+    (1/nodes) to all of them. The share alone meant chance over two nodes: one of them takes more
+    than 60 % of a window's last arrivals in most windows of 10 steps (62 % on average), and every
+    healthy 2-node job read as a straggling node rotating between its two nodes."""
+    even = 1 / max(1, nodes)
+    return share >= max(th.rotating_node_share, even + th.rotating_node_excess * (1 - even))
+
+
 def detect_thermal(v: JobView, s: dict, th: Thresholds, found: list[Finding]) -> list[Finding]:
     temps = v.hardware.get("gpu_temperature_celsius", {})
     throttle = v.hardware.get("gpu_thermal_throttle", {})
@@ -282,7 +293,7 @@ def detect_thermal(v: JobView, s: dict, th: Thresholds, found: list[Finding]) ->
         la_nodes = v.node_last_arrivals()
         totals = {n: sum(r) for n, r in la_nodes.items()}
         overall = max(totals.values()) / max(1.0, sum(totals.values()))
-        if share >= th.rotating_node_share and len(distinct) >= 2 and overall < th.persistent_share + 0.2:
+        if node_dominates(share, len(v.nodes), th) and len(distinct) >= 2 and overall < th.persistent_share + 0.2:
             evidence.append({"series": "syncwatch_last_arrivals_total summed by node, per window",
                              "value": round(share, 3),
                              "reading": f"in each window one node takes {pct(share)} of last arrivals, "
