@@ -154,9 +154,8 @@ def to_view(run: dict, source: str, start: float | None = None, end: float | Non
     spr = float(run.get("samples_per_step") or 0.0)
     cv: list[float | None] = [None] * n
     ac: list[float | None] = [None] * n
-    recent: list[float] = []
     w = 0
-    for s in steps:
+    for s, recent in _daemon_windows(run["steps"], steps):
         done = s["t"] + s["seconds"]
         while w < n - 1 and done > times[w]:
             w += 1
@@ -170,8 +169,6 @@ def to_view(run: dict, source: str, start: float | None = None, end: float | Non
             per_rank["samples"][r][w] += spr
             if wait <= lo:
                 per_rank["last_arrivals"][r][w] += 1
-        recent.append(s["seconds"])
-        del recent[:-TRAILING]
         cv[w], ac[w] = _cv(recent), lag1(recent)
     restarts = run.get("restarts") or []
     rerun = []
@@ -190,6 +187,27 @@ def to_view(run: dict, source: str, start: float | None = None, end: float | Non
         checkpoints=float(len(saves)), checkpoint_cost=sum(saves) / len(saves) if saves else None,
         restarts_at_start=float(sum(1 for r in restarts if r["t"] <= t0)),
         rerun_steps_at_start=float(sum(r["failed_step"] - r["resume_step"] + 1 for r in restarts if r["t"] <= t0)))
+
+
+def _daemon_windows(every: list[dict], steps: list[dict]):
+    """Each of ``steps`` (some of ``every``, in the same order) with the step times behind the
+    daemon's step CV and autocorrelation gauges once its record came in: the last ``TRAILING``
+    steps of its attempt's processes, from their second step (the first is the warm-up), each
+    less its checkpoint (a planned pause, not jitter), steps before the range included.
+
+    They were the range's own steps with their checkpoints: the restarts scenario's 0.5 s save
+    every 50 steps of 1.2 s read a step CV of 5.0 % where its daemons read 0.6 %."""
+    wanted = {id(s) for s in steps}
+    recent: list[float] = []
+    attempt = None
+    for i, s in enumerate(every):
+        if i == 0 or s.get("attempt") != attempt:  # a new attempt's processes: a new window
+            recent, attempt = [], s.get("attempt")
+        else:
+            recent.append(s["seconds"] - s.get("checkpoint", 0.0))
+            del recent[:-TRAILING]
+        if id(s) in wanted:
+            yield s, recent
 
 
 def _window_mean(points, times, width) -> list[float | None]:
