@@ -178,6 +178,25 @@ def test_a_healthy_verdict_on_too_few_steps_says_so():
     assert not any(n.startswith("only ") for n in long.notes)
 
 
+def test_a_range_far_longer_than_the_job_does_not_clear_it():
+    """The congestion scenario read over a range 31 times its length (as --start now-24h reads a
+    45-minute job): windows of 258 s, two of them with the job running through, and fabric
+    contention needs four: it read "no structural problem found". The verdict and the notes now
+    say what was not assessed, and the job's own range still finds the contention."""
+    run = recorded("congestion")
+    first, last = run["steps"][0]["t"], run["steps"][-1]["t"] + run["steps"][-1]["seconds"]
+    wide = diagnose(recording.to_view(run, "test", first - 30 * (last - first), last))
+    assert wide.healthy and wide.steps == 400
+    assert wide.verdict == ("no structural problem found in what could be assessed: the job ran through 2 of "
+                            "the range's windows, too few for fabric contention: narrow --start and --end to "
+                            "the job")
+    assert ("the job ran through 2 of the range's 60 windows of 258 s: fabric contention and topology mismatch "
+            "need 4 and were not assessed; narrow --start and --end to the job") in wide.notes
+    own = diagnose(recording.to_view(run, "test", first, last))
+    assert [f.mode for f in own.findings] == ["fabric_contention"]
+    assert not any("windows of" in n for n in own.notes)
+
+
 def _without_skew_exchange(v):
     """The view as Prometheus gives it with the exact skew exchange off: no slack, no last arrivals."""
     for name in ("slack_seconds", "last_arrivals"):

@@ -33,6 +33,9 @@ ESTIMATE_PENALTY = 0.1
 # the scores read from slack and last arrivals, estimated from mean waits without the exchange
 ESTIMATED_SCORES = ["coupling", "straggler_concentration", "collective_seconds"]
 FEW_STEPS = 100  # below this many steps in range a healthy verdict says it rests on too few
+# windows the job ran through that fabric contention needs (and topology mismatch, two per half):
+# a range far longer than the job (--start now-24h for a 45-minute job) holds one or two
+FEW_WINDOWS = 4
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class Diagnosis:
     findings: list[Finding]
     notes: list[str]
     estimated: list[str] = field(default_factory=list)  # scores estimated from mean waits (K = 0)
+    job_windows: int = FEW_WINDOWS  # windows the job ran through (those with a collective time)
 
     @property
     def healthy(self) -> bool:
@@ -96,6 +100,10 @@ class Diagnosis:
         if self.steps < FEW_STEPS:
             return (f"no structural problem found in {self.steps:.0f} steps, too few to rule any "
                     "out: widen the range")
+        if self.job_windows < FEW_WINDOWS:
+            return (f"no structural problem found in what could be assessed: the job ran through "
+                    f"{self.job_windows} of the range's windows, too few for fabric contention: "
+                    "narrow --start and --end to the job")
         if self.estimated:
             return ("no structural problem found in what could be measured: without the skew exchange, "
                     "transient jitter and a straggling node that moves between nodes are not ruled out")
@@ -537,6 +545,11 @@ def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
         notes.append(f"only {s['steps']:.0f} steps in range: fewer than the {FEW_STEPS} the daemons' "
                      "step-time CV spans, and a straggler, an oscillation or congestion episodes may "
                      "not show in so few")
+    job_windows = len(_vals(v.collective_series()))
+    if job_windows < FEW_WINDOWS:
+        notes.append(f"the job ran through {job_windows} of the range's {len(v.times)} windows of "
+                     f"{v.window:.0f} s: fabric contention and topology mismatch need {FEW_WINDOWS} and "
+                     "were not assessed; narrow --start and --end to the job")
     exact = v.has_exact()
     if not exact:
         notes.append("no slack / last-arrival counters (exact skew exchange off): slack, coupling and last "
@@ -570,7 +583,7 @@ def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
     found.sort(key=lambda f: -f.confidence)
     return Diagnosis(job=v.job, source=v.source, start=v.start, end=v.end, ranks=len(v.rank_node),
                      nodes=len(v.nodes), steps=s["steps"], scores=s, findings=found, notes=notes,
-                     estimated=[] if v.has_exact() else list(ESTIMATED_SCORES))
+                     estimated=[] if v.has_exact() else list(ESTIMATED_SCORES), job_windows=job_windows)
 
 
 # ---------------------------------------------------------------- CLI
