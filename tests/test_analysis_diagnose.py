@@ -480,6 +480,10 @@ def _broken(run: dict, where: str) -> dict:
         run["hardware"] = {"gpu_temperature_celsius": [[1.7e9, 70.0]]}
     elif where == "rank_node as text":
         run["rank_node"] = "sim-node-00"
+    elif where == "null job":
+        run["job"] = None
+    elif where == "numeric job":
+        run["job"] = 42
     return run
 
 
@@ -498,7 +502,9 @@ STEP_5 = "step #5 (step 6)"  # the sixth step in the file is the run's step 6
     # than its step read a sync tax above 100 %
     ("zero seconds", STEP_5), ("wait longer than the step", STEP_5), ("checkpoint longer than the step", STEP_5),
     ("text samples_per_step", "samples_per_step"), ("hardware as a list", "hardware"),
-    ("rank_node as text", "rank_node")])
+    ("rank_node as text", "rank_node"),
+    # the report escaped the name (AttributeError: 'NoneType' object has no attribute 'replace')
+    ("null job", "job"), ("numeric job", "job")])
 @pytest.mark.parametrize("command", ["diagnose", "project", "report"])
 def test_a_malformed_recording_is_one_line_naming_the_field(restarts_run, tmp_path, monkeypatch, capsys, where, field,
                                                            command):

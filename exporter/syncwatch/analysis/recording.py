@@ -72,6 +72,8 @@ def load(path: str | Path) -> dict:
     def bad(where: str, what: str):
         return AnalysisError(f"--input {path}: {where} is malformed ({what})")
 
+    if not isinstance(run.get("job", ""), str):
+        raise bad("job", "needs the train job's name, a string")
     nodes = run.get("rank_node")
     if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
         raise bad("rank_node", "needs a list of node names, one per global rank")
