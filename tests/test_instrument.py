@@ -1536,7 +1536,7 @@ def test_syncwatch_run_environment_and_errors(tmp_path):
     (["--udp", "bogus"], "--udp: UDP address must look like 127.0.0.1:9478, got 'bogus'"),
     (["--heartbeat", "0"], "--heartbeat must be a positive number of seconds, got 0"),
     (["--skew-every", "-1"], "--skew-every must be 0 (off) or a number of steps, got -1"),
-    (["--skew-seconds", "nan"], "--skew-seconds must be 0 or a positive number, got nan"),
+    (["--skew-seconds", "nan"], "--skew-seconds must be 0, a positive number or inf, got nan"),
 ])
 def test_syncwatch_run_refuses_a_bad_option_before_running_the_command(tmp_path, option, says):
     """A bad ``--udp`` was handed to the ranks, each of which printed a traceback and trained
@@ -1547,6 +1547,18 @@ def test_syncwatch_run_refuses_a_bad_option_before_running_the_command(tmp_path,
                           str(ran)], env=subprocess_env(), capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and out.stderr == f"syncwatch-run: {says}\n" and not ran.exists()
+
+
+@pytest.mark.parametrize("option, env", [(["--skew-seconds", "inf"], {}),
+                                         ([], {"SYNCWATCH_SKEW_SECONDS": "inf"})])
+def test_syncwatch_run_passes_skew_seconds_of_inf_to_the_command(option, env):
+    """``SYNCWATCH_SKEW_SECONDS=inf`` keeps windows of K (docs/instrumentation.md), as the ranks
+    read it: ``syncwatch-run`` refused it, flag or twin alike, and the training command never ran."""
+    out = subprocess.run([sys.executable, "-m", "syncwatch.instrument.run", *option, "--",
+                          sys.executable, "-c",
+                          "import os; print(os.environ['SYNCWATCH_SKEW_SECONDS'])"],
+                         env=subprocess_env(**env), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "inf\n", out.stderr
 
 
 def test_syncwatch_run_from_another_environment_shadows_none_of_the_programs_modules(

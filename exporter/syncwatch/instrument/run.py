@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help=f"exact skew exchange every K steps (0 = off; default {DEFAULT_EXCHANGE_EVERY})")
     add_flag(parser, "--skew-seconds", type=float, default=None,
              help=f"where K steps take longer, exchange every this many seconds' steps instead "
-                  f"(0 = always K; default {EXCHANGE_SECONDS:g})")
+                  f"(0 or inf = always K; default {EXCHANGE_SECONDS:g})")
     add_flag(parser, "--heartbeat", type=float, default=None,
              help=f"heartbeat interval, seconds (default {DEFAULT_HEARTBEAT_SECONDS:g})")
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -78,9 +78,9 @@ def _bad_option(args) -> str | None:
         return f"--heartbeat must be a positive number of seconds, got {args.heartbeat:g}"
     if args.skew_every is not None and args.skew_every < 0:
         return f"--skew-every must be 0 (off) or a number of steps, got {args.skew_every}"
-    if args.skew_seconds is not None and not (math.isfinite(args.skew_seconds)
-                                              and args.skew_seconds >= 0):
-        return f"--skew-seconds must be 0 or a positive number, got {args.skew_seconds:g}"
+    # not NaN, not negative; inf keeps windows of K, as the ranks read SYNCWATCH_SKEW_SECONDS=inf
+    if args.skew_seconds is not None and not args.skew_seconds >= 0:
+        return f"--skew-seconds must be 0, a positive number or inf, got {args.skew_seconds:g}"
     return None
 
 
