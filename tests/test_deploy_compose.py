@@ -295,6 +295,18 @@ def test_docs_say_the_daemon_gets_nvml_only_with_the_nvidia_runtime_asked_for():
         assert "NVIDIA runtime when present" not in text, doc
 
 
+def test_docs_name_every_variable_the_compose_files_read(compose):
+    """A ``${VAR}`` of a compose file changes what a user gets (the daemon's runtime, the address
+    the scale-out's vminsert is published on): docs/deploy.md names each. It did not name
+    SYNCWATCH_TSDB_ADDR, without which vminsert listens on 127.0.0.1 only and no rack agent on
+    another machine can write to it."""
+    path, _ = compose
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    variables = {m.group(1) for m in _VAR.finditer(path.read_text())}
+    missing = sorted(v for v in variables if v not in docs)
+    assert variables and not missing, f"{path.name} reads {missing}, which docs/deploy.md never names"
+
+
 def test_grafana_has_no_default_admin_password():
     env = load(ROOT / "docker-compose.yml")["services"]["grafana"]["environment"]
     assert env["GF_SECURITY_DISABLE_INITIAL_ADMIN_CREATION"] == "true"
