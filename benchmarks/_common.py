@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -17,6 +18,15 @@ sys.path.insert(0, os.path.join(ROOT, "exporter"))
 from syncwatch.protocol import PHASES, Cumulative, Encoder, Identity  # noqa: E402
 
 WALL0 = 1_800_000_000.0
+
+
+def parse_args(doc: str, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The benchmark's ``--help`` (its docstring) and arguments: a benchmark without options
+    still answers ``--help`` instead of running in full."""
+    parser = parser or argparse.ArgumentParser()
+    parser.description = doc
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    return parser.parse_args()
 
 
 class DaemonProcess:

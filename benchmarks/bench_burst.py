@@ -22,7 +22,7 @@ import threading
 import time
 import urllib.request
 
-from _common import DaemonProcess, encoder, machine, step_record
+from _common import DaemonProcess, encoder, machine, parse_args, step_record
 
 from syncwatch.sender import Sender, parse_udp
 
@@ -146,6 +146,7 @@ def run(mode: str, transport: str, scraping: bool = False) -> tuple[int, int, in
 
 
 def main() -> None:
+    parse_args(__doc__)
     print(f"machine: {machine()}; net.unix.max_dgram_qlen = "
           f"{open('/proc/sys/net/unix/max_dgram_qlen').read().strip()}")
     print(f"{RANKS} processes x {STEPS} steps, all ranks ending each step at the same instant")

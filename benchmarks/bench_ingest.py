@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import time
 
-from _common import DaemonProcess, encoder, machine, median, step_record
+from _common import DaemonProcess, encoder, machine, median, parse_args, step_record
 
 from syncwatch.daemon.config import DaemonConfig
 from syncwatch.daemon.state import State
@@ -64,6 +64,7 @@ def end_to_end(n: int = 100_000) -> float:
 
 
 def main() -> None:
+    parse_args(__doc__)
     print(f"machine: {machine()}")
     rates = in_process()
     print(f"in process, decode+validate+update, {RANKS} ranks x {STEPS} steps: "

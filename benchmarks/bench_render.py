@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.request
 
-from _common import DaemonProcess, encoder, machine, median, step_record
+from _common import DaemonProcess, encoder, machine, median, parse_args, step_record
 
 from syncwatch.daemon.app import render
 from syncwatch.daemon.config import DaemonConfig
@@ -98,6 +98,7 @@ def ingest_during_scrapes(ranks: int = 512, seconds: float = 4.0) -> None:
 
 
 def main() -> None:
+    parse_args(__doc__)
     print(f"machine: {machine()}")
     for ranks in (8, 64, 512):
         text_ms, om_ms, series, size = render_times(ranks)

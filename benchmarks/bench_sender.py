@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from _common import DaemonProcess, encoder, machine
+from _common import DaemonProcess, encoder, machine, parse_args
 
 from syncwatch.protocol import PHASES, Cumulative
 from syncwatch.sender import Sender
@@ -50,6 +50,7 @@ def report(name, sender, rows):
 
 
 def main() -> None:
+    parse_args(__doc__)
     print(f"machine: {machine()}; {N} step records per case")
     d = DaemonProcess(udp=True)
     try:

@@ -14,6 +14,7 @@ GPU of such a node (one rank and one RoCE port per GPU), the input of docs/deplo
 
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import shutil
@@ -125,4 +126,6 @@ def main(ranks: int = 8) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 8)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ranks", type=int, nargs="?", default=8, help="ranks of the one job (default 8)")
+    main(parser.parse_args().ranks)

@@ -251,7 +251,7 @@ def overhead(gathered, k, rng, resamples: int = 2000):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--pairs", type=int, default=150)
     p.add_argument("--block-steps", type=int, default=10,

@@ -9,6 +9,7 @@ round robin (isolates what measuring the gradient wait costs in backward).
 Rank 0 prints per arm the median backward wall time and the mean process CPU time per backward.
 """
 
+import argparse
 import os
 import statistics
 import sys
@@ -28,7 +29,9 @@ HIDDEN = 512
 
 
 def main():
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 150
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("steps", type=int, nargs="?", default=150, help="steps per arm (default 150)")
+    steps = parser.parse_args().steps
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
 

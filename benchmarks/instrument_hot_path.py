@@ -197,7 +197,7 @@ def collective_cost(n: int, path: str, rounds: int = 5) -> tuple[float, float]:
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=10000)
     p.add_argument("--find-unused", action="store_true")
     p.add_argument("--hidden", type=int, default=4,

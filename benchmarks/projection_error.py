@@ -22,7 +22,7 @@ def simulate(nodes: int, steps: int, seed: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4000, help="steps measured at N")
