@@ -1534,14 +1534,17 @@ def test_syncwatch_run_environment_and_errors(tmp_path):
 
 @pytest.mark.parametrize("option, says", [
     (["--udp", "bogus"], "--udp: UDP address must look like 127.0.0.1:9478, got 'bogus'"),
+    (["--socket", "/" + "s" * 107], f"--socket: socket path /{'s' * 107} is 108 bytes; a Unix "
+                                    "socket path has at most 107: choose a shorter one"),
     (["--heartbeat", "0"], "--heartbeat must be a positive number of seconds, got 0"),
     (["--skew-every", "-1"], "--skew-every must be 0 (off) or a number of steps, got -1"),
     (["--skew-seconds", "nan"], "--skew-seconds must be 0, a positive number or inf, got nan"),
 ])
 def test_syncwatch_run_refuses_a_bad_option_before_running_the_command(tmp_path, option, says):
     """A bad ``--udp`` was handed to the ranks, each of which printed a traceback and trained
-    unmonitored; a heartbeat of 0 or a negative K quietly turned heartbeats or the exchange off.
-    Refused in one line, and the command never runs."""
+    unmonitored; a ``--socket`` too long for a Unix socket made every rank drop every record
+    without a word; a heartbeat of 0 or a negative K quietly turned heartbeats or the exchange
+    off. Refused in one line, and the command never runs."""
     ran = tmp_path / "ran"
     out = subprocess.run([sys.executable, "-m", "syncwatch.instrument.run", *option, "touch",
                           str(ran)], env=subprocess_env(), capture_output=True, text=True,

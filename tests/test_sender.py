@@ -154,6 +154,27 @@ def test_no_permission_on_the_socket_is_said_once(sock_path):
         assert healthz(d.url)["records"] == 0
 
 
+@pytest.mark.parametrize("given", ["argument", "environment"])
+def test_a_socket_path_too_long_for_unix_sockets_is_said_once(tmp_path, monkeypatch, caplog,
+                                                              given):
+    """A ``SYNCWATCH_SOCKET`` over the 107 bytes of a Unix socket path: every connect raised
+    "AF_UNIX path too long" and every record was dropped without a word (only permission errors
+    were warned about). Now one warning names the path, its length and the limit."""
+    path = str(tmp_path / ("s" * (108 - len(str(tmp_path)) - 1)))
+    assert len(path) == 108
+    if given == "environment":
+        monkeypatch.setenv("SYNCWATCH_SOCKET", path)
+    with caplog.at_level(logging.WARNING, logger="syncwatch.sender"):
+        s = Sender(path if given == "argument" else None)
+        assert [s.send(b"record") for _ in range(20)] == [False] * 20
+    assert (s.sent, s.dropped, s.address) == (0, 20, None)
+    source = "socket" if given == "argument" else "SYNCWATCH_SOCKET"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"syncwatch: ignoring {source}: socket path {path} is 108 bytes; a Unix socket path has "
+        "at most 107: choose a shorter one; this process sends nothing to the daemon: every "
+        "record is dropped"]
+
+
 @pytest.mark.parametrize("transport", ["unix", "udp"])
 def test_a_daemon_restart_counts_each_dropped_record_once(sock_path, transport):
     """Records carry the rank's cumulative drop count, and a daemon meeting a rank's process

@@ -21,7 +21,9 @@ non-blocking ``send`` on a connected socket (~0.4 us). What can go wrong, and wh
   queue, lock and counters; the retry thread is started again on first need;
 * no permission on the socket (the process is neither root nor in the daemon's group): like an
   absent daemon, plus one warning per sender that says so, since nothing else would: the daemon
-  never hears of the rank, and the drop count the rank keeps never reaches it.
+  never hears of the rank, and the drop count the rank keeps never reaches it;
+* a socket path over ``MAX_UNIX_PATH`` bytes, or a bad ``SYNCWATCH_UDP``: no daemon can be reached
+  there, so one warning when the sender is made, and every record is dropped and counted.
 
 ``dropped`` is cumulative; callers put it into their next record so the daemon sees the loss.
 A caller may pass a record's ``counts`` (the drop and error counts it carries) to ``send()``:
@@ -47,6 +49,8 @@ import weakref
 DEFAULT_SOCKET = "/run/syncwatch/ingest.sock"
 ENV_SOCKET = "SYNCWATCH_SOCKET"
 ENV_UDP = "SYNCWATCH_UDP"
+
+MAX_UNIX_PATH = 107  # bytes: sun_path holds 108 with the terminating NUL
 
 _BACKOFF_MIN, _BACKOFF_MAX = 0.05, 5.0
 
@@ -82,6 +86,16 @@ def parse_address(address: str, what: str = "address", *, any_port: bool = False
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def check_unix_path(path: str) -> str:
+    """``path`` if a Unix socket can have it, else ``ValueError``: ``connect()`` and ``bind()``
+    raise only "AF_UNIX path too long", without the path, its length or the limit."""
+    size = len(os.fsencode(path))
+    if size > MAX_UNIX_PATH:
+        raise ValueError(f"socket path {path} is {size} bytes; a Unix socket path has at most "
+                         f"{MAX_UNIX_PATH}: choose a shorter one")
+    return path
+
+
 def parse_udp(address: str) -> tuple[str, int]:
     """The daemon's UDP address as a rank sends to it (``SYNCWATCH_UDP``, ``--udp``)."""
     return parse_address(address, "UDP address")
@@ -108,7 +122,13 @@ class Sender:
             self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
         else:
             self._family = socket.AF_UNIX
-            self._address = path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
+            source = "socket" if path else ENV_SOCKET
+            try:
+                self._address = check_unix_path(path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET)
+            except ValueError as e:
+                log.warning("syncwatch: ignoring %s: %s; this process sends nothing to the "
+                            "daemon: every record is dropped", source, e)
+                self._address = None
         self._udp = self._family != socket.AF_UNIX
         self.retry_seconds = retry_seconds
         self._queue_max = retry_queue

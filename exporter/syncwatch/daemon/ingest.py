@@ -18,13 +18,13 @@ import threading
 import time
 
 from ..protocol import MAX_DATAGRAM, Decoder, ProtocolError
+from ..sender import check_unix_path
 from .config import parse_address
 from .state import COUNTED_HERE, State
 
 log = logging.getLogger("syncwatch.daemon")
 
 UDP_RCVBUF = 4 << 20
-MAX_UNIX_PATH = 107  # bytes: sun_path holds 108 with the terminating NUL
 REJECT_LOG_EVERY = 10.0  # seconds: at most one log line per reject reason per interval
 
 
@@ -40,10 +40,10 @@ def bind_unix(path: str) -> socket.socket:
     the socket of a daemon running as another user) says nothing about whether a daemon reads
     it, so the file is left alone: replacing it would take a live daemon's ranks away from it.
     """
-    size = len(os.fsencode(path))
-    if size > MAX_UNIX_PATH:  # bind() says only "AF_UNIX path too long", with no strerror
-        raise IngestError(f"socket path {path} is {size} bytes; a Unix socket path has at most "
-                          f"{MAX_UNIX_PATH}: choose a shorter one")
+    try:
+        check_unix_path(path)  # bind() says only "AF_UNIX path too long", with no strerror
+    except ValueError as e:
+        raise IngestError(str(e)) from None
     directory = os.path.dirname(path) or "."
     try:
         if not os.path.isdir(directory):

@@ -23,7 +23,7 @@ import os
 import sys
 
 from ..cli import Parser, add_flag, plain
-from ..sender import DEFAULT_SOCKET, parse_udp
+from ..sender import DEFAULT_SOCKET, check_unix_path, parse_udp
 from ..skew import EXCHANGE_SECONDS
 from . import DEFAULT_EXCHANGE_EVERY, DEFAULT_HEARTBEAT_SECONDS
 
@@ -67,8 +67,14 @@ def child_env(args, environ=None) -> dict[str, str]:
 
 def _bad_option(args) -> str | None:
     """What is wrong with the options, checked before the command runs: every rank would
-    otherwise print a traceback and train unmonitored (a bad ``--udp``), or quietly run without
-    heartbeats or the exchange (a heartbeat of 0, a negative K)."""
+    otherwise print a traceback and train unmonitored (a bad ``--udp``), drop every record (a
+    ``--socket`` path too long for a Unix socket), or quietly run without heartbeats or the
+    exchange (a heartbeat of 0, a negative K)."""
+    if args.socket and not args.udp:  # the ranks send over UDP where it is set
+        try:
+            check_unix_path(args.socket)
+        except ValueError as e:
+            return f"--socket: {e}"
     if args.udp is not None:
         try:
             parse_udp(args.udp)
