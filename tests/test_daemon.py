@@ -899,6 +899,18 @@ def test_cli_sigterm_clean_and_errors_exit_2(sock_path):
     assert "Traceback" not in r.stderr and "address already in use" in r.stderr.lower(), r.stderr
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--listen", "9477"], "listen must look like 127.0.0.1:9477, got '9477'"),
+    (["--listen", "127.0.0.1:0", "--udp", "9478"], "udp must look like 127.0.0.1:9478, got '9478'"),
+])
+def test_a_bad_address_is_shown_an_example_of_its_own_flag(flags, says):
+    """The parser shared by --listen and --udp showed the UDP ingest's 127.0.0.1:9478 for both:
+    ``--listen 9477`` was told to look like the UDP port. Each now shows its own."""
+    r = subprocess.run(_daemon_cmd("--socket", "", *flags), env=subprocess_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stderr) == (2, f"syncwatch daemon: {says}\n")
+
+
 def test_env_twins_configure_the_daemon(sock_path):
     import argparse
 

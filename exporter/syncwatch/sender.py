@@ -49,6 +49,7 @@ import weakref
 DEFAULT_SOCKET = "/run/syncwatch/ingest.sock"
 ENV_SOCKET = "SYNCWATCH_SOCKET"
 ENV_UDP = "SYNCWATCH_UDP"
+UDP_EXAMPLE = "127.0.0.1:9478"  # the daemon's UDP ingest as the docs give it
 
 MAX_UNIX_PATH = 107  # bytes: sun_path holds 108 with the terminating NUL
 
@@ -69,8 +70,10 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def parse_address(address: str, what: str = "address", *, any_port: bool = False) -> tuple[str, int]:
+def parse_address(address: str, what: str, example: str, *,
+                  any_port: bool = False) -> tuple[str, int]:
     """``"127.0.0.1:9478"``, ``"[::1]:9478"`` or ``":9478"`` (host 127.0.0.1) -> (host, port).
+    ``what`` names the setting in errors, ``example`` shows a good value of it.
 
     The one parser of ``SYNCWATCH_UDP``, which the daemon and the ranks read alike, and of the
     daemon's other addresses (the two had their own rules: a port over 65535 stopped the daemon
@@ -79,7 +82,7 @@ def parse_address(address: str, what: str = "address", *, any_port: bool = False
     """
     host, sep, port = address.rpartition(":")
     if not (sep and port.isascii() and port.isdigit()):
-        raise ValueError(f"{what} must look like 127.0.0.1:9478, got {address!r}")
+        raise ValueError(f"{what} must look like {example}, got {address!r}")
     lowest = 0 if any_port else 1
     if not lowest <= int(port) <= 65535:
         raise ValueError(f"{what} {address!r}: the port must be from {lowest} to 65535")
@@ -98,7 +101,7 @@ def check_unix_path(path: str) -> str:
 
 def parse_udp(address: str) -> tuple[str, int]:
     """The daemon's UDP address as a rank sends to it (``SYNCWATCH_UDP``, ``--udp``)."""
-    return parse_address(address, "UDP address")
+    return parse_address(address, "UDP address", UDP_EXAMPLE)
 
 
 class Sender:

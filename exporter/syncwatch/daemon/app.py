@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 from .. import __version__
-from .config import DaemonConfig, parse_address
+from .config import DaemonConfig, parse_listen
 from .exposition import GuardedRegistry, StateCollector
 from .ingest import Ingest
 from .state import State
@@ -174,7 +174,7 @@ class RunningDaemon:
 
 async def start_daemon(config: DaemonConfig, extra_collectors: Sequence = ()) -> RunningDaemon:
     """Start the daemon on the running loop. Raises ``OSError`` (port taken, socket not bindable)."""
-    host, port = parse_address(config.listen, "listen", any_port=True)
+    host, port = parse_listen(config.listen)
     app = create_app(config, extra_collectors)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()

@@ -5,12 +5,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..sender import parse_address  # the ranks' rules for SYNCWATCH_UDP, which both read
+from ..sender import UDP_EXAMPLE, parse_address  # the ranks' rules for SYNCWATCH_UDP, which both read
+
+DEFAULT_LISTEN = "127.0.0.1:9477"
+
+
+def parse_listen(address: str) -> tuple[str, int]:
+    """``--listen`` as the daemon binds it (port 0 picks a free one)."""
+    return parse_address(address, "listen", DEFAULT_LISTEN, any_port=True)
+
+
+def parse_daemon_udp(address: str) -> tuple[str, int]:
+    """``--udp`` as the daemon binds it (port 0 picks a free one)."""
+    return parse_address(address, "udp", UDP_EXAMPLE, any_port=True)
 
 
 @dataclass
 class DaemonConfig:
-    listen: str = "127.0.0.1:9477"          # host:port for /metrics and /healthz; port 0 = pick a free one
+    listen: str = DEFAULT_LISTEN            # host:port for /metrics and /healthz; port 0 = pick a free one
     socket: str | None = "/run/syncwatch/ingest.sock"  # Unix datagram ingest; None = off
     udp: str | None = None                  # "127.0.0.1:9478" = also ingest UDP on loopback; None = off
     window: int = 100                       # rolling window W (steps) for step CV / lag-1 autocorrelation
@@ -28,6 +40,6 @@ class DaemonConfig:
                              f"{self.rank_ttl:g}, job_grace {self.job_grace:g}")
         if self.max_ranks < 1 or self.max_jobs < 1:
             raise ValueError("max_ranks and max_jobs must be at least 1")
-        parse_address(self.listen, "listen", any_port=True)
+        parse_listen(self.listen)
         if self.udp:
-            parse_address(self.udp, "udp", any_port=True)
+            parse_daemon_udp(self.udp)

@@ -19,7 +19,7 @@ import time
 
 from ..protocol import MAX_DATAGRAM, Decoder, ProtocolError
 from ..sender import check_unix_path
-from .config import parse_address
+from .config import parse_daemon_udp
 from .state import COUNTED_HERE, State
 
 log = logging.getLogger("syncwatch.daemon")
@@ -124,7 +124,7 @@ def inherited_socket(path: str) -> socket.socket | None:
 
 
 def bind_udp(address: str) -> socket.socket:
-    host, port = parse_address(address, "udp", any_port=True)
+    host, port = parse_daemon_udp(address)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
