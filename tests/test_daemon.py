@@ -406,6 +406,27 @@ def test_text_preferred_openmetrics_only_when_nothing_else_and_gzip(daemon, clie
     assert scrape_text(daemon.url).startswith("# HELP")
 
 
+@pytest.mark.parametrize("zero", ["q=0", "q=0.0", "Q=0.00", "q=0.000"])
+def test_a_weight_of_zero_refuses_a_format_or_gzip(daemon, client, zero):
+    """RFC 9110: q=0, q=0.0, q=0.00 and q=0.000 all say "not acceptable". Only exact ``q=0``
+    refused text/plain (``text/plain;q=0.0`` got text, not the OpenMetrics asked for), and any
+    Accept-Encoding naming gzip got gzip, ``gzip;q=0`` included."""
+    _full_exposition(daemon, client)
+    req = urllib.request.Request(daemon.url + "/metrics", headers={
+        "Accept": f"application/openmetrics-text;version=1.0.0, text/plain;{zero}",
+        "Accept-Encoding": f"gzip;{zero}, identity"})
+    with urllib.request.urlopen(req) as r:
+        ctype, encoding, body = r.headers["Content-Type"], r.headers.get("Content-Encoding"), r.read()
+    assert ctype.startswith("application/openmetrics-text") and encoding is None
+    assert body.endswith(b"# EOF\n")
+    req = urllib.request.Request(daemon.url + "/metrics", headers={
+        "Accept": "text/plain;q=0.001", "Accept-Encoding": "GZIP;q=0.001"})
+    with urllib.request.urlopen(req) as r:  # the least weight that accepts
+        assert r.headers["Content-Type"].startswith("text/plain")
+        assert r.headers["Content-Encoding"] == "gzip"
+        assert gzip.decompress(r.read()).startswith(b"# HELP")
+
+
 def test_series_per_rank_within_budget_at_64_ranks(daemon, client):
     _full_exposition(daemon, client, ranks=64)
     m = scrape(daemon.url)

@@ -5,7 +5,9 @@ in a one-worker thread pool, so neither a slow render nor a burst of records wai
 more than the snapshot copy. The text format is served whenever the client accepts it (Prometheus
 asks for OpenMetrics first but accepts text; the OpenMetrics encoder is 35-50 % slower and its
 extras are unused here); OpenMetrics only to a client that accepts nothing else. gzip at level 1
-when accepted (the client library's level 9 costs ~20x more).
+when accepted (the client library's level 9 costs ~20x more). A media type or coding of weight 0
+(``q=0``, ``q=0.0``, ... ``q=0.000``; RFC 9110 12.4.2) is not accepted; prometheus_client's own
+``gzip_accepted`` reads no weights at all.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import logging
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,20 +43,36 @@ RENDERING = web.AppKey("rendering", dict)
 EXPIRE_EVERY = 1.0  # seconds between liveness sweeps (also done at every scrape)
 
 
-def _accepts_text(accept: str) -> bool:
-    """True unless the Accept header names media types and none of them is text/plain or */*."""
-    if not accept.strip():
-        return True
-    for part in accept.split(","):
+_NOT_ACCEPTABLE = re.compile(r"q=0(\.0{0,3})?", re.IGNORECASE)
+
+
+def _accepted(header: str) -> list[list[str]]:
+    """The elements of an Accept or Accept-Encoding header, each as [value, *parameters], less
+    those of weight 0: "not acceptable", however many zero decimals it is written with."""
+    elements = []
+    for part in header.split(","):
         fields = [f.strip() for f in part.split(";")]
-        if fields[0] in ("text/plain", "*/*", "text/*") and "q=0" not in fields[1:]:
-            return True
-    return False
+        if fields[0] and not any(_NOT_ACCEPTABLE.fullmatch(f) for f in fields[1:]):
+            elements.append(fields)
+    return elements
+
+
+def _encoder_accept(accept: str) -> str:
+    """What ``choose_encoder`` is given: "" (the text format) unless the Accept header accepts
+    media types and none of them is text/plain or */*; then the ones it accepts."""
+    elements = _accepted(accept)
+    if not elements or any(e[0].lower() in ("text/plain", "*/*", "text/*") for e in elements):
+        return ""
+    return ",".join(";".join(e) for e in elements)
+
+
+def _gzip_accepted(accept_encoding: str) -> bool:
+    return any(e[0].lower() in ("gzip", "x-gzip") for e in _accepted(accept_encoding))
 
 
 def render(registry: GuardedRegistry, accept: str, gzipped: bool) -> tuple[bytes, dict]:
     """Render the exposition for one scrape: (body, headers)."""
-    encoder, content_type = choose_encoder("" if _accepts_text(accept) else accept)
+    encoder, content_type = choose_encoder(_encoder_accept(accept))
     body = encoder(registry)
     headers = {"Content-Type": content_type}
     if gzipped:
@@ -69,8 +88,8 @@ async def _metrics(request: web.Request) -> web.Response:
     them (40 abandoned scrapes of a 0.4 s render held the next one past Prometheus' 10 s timeout)."""
     app = request.app
     accept = request.headers.get("Accept", "")
-    gzipped = "gzip" in request.headers.get("Accept-Encoding", "")
-    key = (choose_encoder("" if _accepts_text(accept) else accept)[1], gzipped)
+    gzipped = _gzip_accepted(request.headers.get("Accept-Encoding", ""))
+    key = (choose_encoder(_encoder_accept(accept))[1], gzipped)
     rendering = app[RENDERING]
     shared = rendering.get(key)
     if shared is None:
