@@ -9,7 +9,11 @@ NICs, as benchmarks/collectors_bench.py does) and counts their series per GPU, p
 NIC: the collectors' own code decides those counts, not the driver. Last, the active series per
 GPU of such a node (one rank and one RoCE port per GPU), the input of docs/deploy.md's sizing.
 
-    python benchmarks/deploy_series_budget.py [RANKS]
+With --node-per-rank each rank reports a node name of its own (pods without NODE_NAME report
+their pod's host name): the worst case, each rank with its own per-node histograms. The render
+time (text format, median of 5) is printed either way.
+
+    python benchmarks/deploy_series_budget.py [--node-per-rank] [RANKS]
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from syncwatch.collectors.gpu import GpuCollector  # noqa: E402
 from syncwatch.collectors.infiniband import InfinibandCollector  # noqa: E402
 from syncwatch.collectors.net import NetCollector  # noqa: E402
 
-from syncwatch.daemon.app import DaemonThread  # noqa: E402
+from syncwatch.daemon.app import REGISTRY, DaemonThread, render  # noqa: E402
 from syncwatch.daemon.config import DaemonConfig  # noqa: E402
 from syncwatch.protocol import PHASES, Cumulative, Encoder, Identity, SkewHistogram  # noqa: E402
 from syncwatch.sender import Sender  # noqa: E402
@@ -74,12 +78,13 @@ def hardware_series() -> dict[str, collections.Counter]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def main(ranks: int = 8) -> None:
+def main(ranks: int = 8, node_per_rank: bool = False) -> None:
     sock = os.path.join(tempfile.mkdtemp(prefix="sw-bench-"), "ingest.sock")
     with DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=sock)) as daemon:
         sender = Sender(path=sock)
         for rank in range(ranks):
-            enc = Encoder(Identity("bench", 0, rank, rank, ranks, "node-a", os.getpid(), gpu=rank,
+            node = f"pod-{rank}" if node_per_rank else "node-a"
+            enc = Encoder(Identity("bench", 0, rank, rank, ranks, node, os.getpid(), gpu=rank,
                                    gpu_uuid=f"GPU-{rank:04d}"))
             phases = tuple(0.01 for _ in PHASES)
             # four steps of unequal length: the step CV leaves the first out and the lag-1
@@ -96,10 +101,17 @@ def main(ranks: int = 8) -> None:
                 sender.send(enc.step(step, time.time(), seconds, 0.01, phases, step, 32.0, 4096.0,
                                      totals, exact=True, has_tokens=True, skew=skew))
             sender.send(enc.heartbeat(time.time(), 4, time.time(), "sync", 0.01, 4))
-        sender.flush(2.0)
+            if rank % 32 == 31:  # the retry queue holds 1024 records: let the daemon catch up
+                sender.flush(10.0)
+        sender.flush(10.0)
         time.sleep(0.5)
-        with urllib.request.urlopen(daemon.url + "/metrics", timeout=10) as r:
+        with urllib.request.urlopen(daemon.url + "/metrics", timeout=60) as r:
             text = r.read().decode()
+        renders = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            render(daemon.app[REGISTRY], "", False)
+            renders.append(time.perf_counter() - t0)
     per_rank = other = 0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -107,9 +119,13 @@ def main(ranks: int = 8) -> None:
                 per_rank += 1
             else:
                 other += 1
-    print(f"daemon, {ranks} ranks of one job on one node:")
+    where = "each reporting its own node name" if node_per_rank else "on one node"
+    print(f"daemon, {ranks} ranks of one job {where}:")
     print(f"  series with a rank label: {per_rank} ({per_rank / ranks:.1f} per rank)")
     print(f"  other series (per node and job histograms, job gauges, self-health): {other}")
+    print(f"  all series: {per_rank + other}; render (text format): "
+          f"{sorted(renders)[2]:.3f} s (median of 5); records dropped by the sender: "
+          f"{sender.dropped}")
     hw = hardware_series()
     print(f"hardware collectors, fake node of {GPUS} GPUs, {PORTS} RoCE ports, "
           f"{len([k for k in hw['net'] if k])} Ethernet NICs:")
@@ -128,4 +144,7 @@ def main(ranks: int = 8) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ranks", type=int, nargs="?", default=8, help="ranks of the one job (default 8)")
-    main(parser.parse_args().ranks)
+    parser.add_argument("--node-per-rank", action="store_true",
+                        help="each rank reports a node name of its own (pods without NODE_NAME)")
+    args = parser.parse_args()
+    main(args.ranks, args.node_per_rank)
