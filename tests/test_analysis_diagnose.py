@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -435,6 +436,33 @@ def test_a_recorded_run_cut_at_one_end_only(tmp_path, monkeypatch, capsys, flag,
     assert code == 0, err
     expected = sum(1 for s in run["steps"] if lo <= s["t"] + s["seconds"] <= hi)
     assert 0 < expected < len(run["steps"]) and json.loads(out)["steps"] == expected
+
+
+@pytest.mark.parametrize("given", ["flag", "env"])
+def test_a_given_start_applies_to_a_recorded_run_whatever_its_value(tmp_path, monkeypatch, capsys, given):
+    """``--start now-1h`` (or ``SYNCWATCH_START=now-1h``) on a run recorded three hours ago read
+    as not given, because its value is Prometheus' default: all 300 steps, where ``now-2h`` was
+    "empty range". A bound given, as the flag or its twin, applies as given; where it leaves no
+    step, the error names it and when the run's steps ended."""
+    path = tmp_path / "run.json"
+    start = time.time() - 3 * 3600
+    truth = sim.run_scenario("healthy", nodes=2, ranks_per_node=2, seed=0)
+    recording.save(recording.from_ground_truth(truth, start_wall=start), path)
+
+    def diagnose_from(value: str) -> tuple[int, str, str]:
+        if given == "env":
+            monkeypatch.setenv("SYNCWATCH_START", value)
+            return run_cli(monkeypatch, capsys, ["diagnose", "--input", str(path), "--json"])
+        return run_cli(monkeypatch, capsys, ["diagnose", "--input", str(path), "--json", "--start", value])
+
+    code, out, err = diagnose_from("now-1h")
+    named = "--start now-1h" if given == "flag" else "SYNCWATCH_START=now-1h"
+    assert code == 2 and not out, err
+    assert err.startswith(f"syncwatch diagnose: error: {path}: no step of 'sim-healthy' ends between ")
+    assert f"({named}) and the run's last step (empty range): its steps end between " in err
+    assert err.rstrip().endswith("a time relative to now counts from now, not from the recording")
+    code, out, err = diagnose_from("now-4h")
+    assert code == 0 and json.loads(out)["steps"] == len(truth.steps), err
 
 
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 from .. import cli
 from . import recording
-from .common import AnalysisError
+from .common import AnalysisError, tracked
 from .prom import Prometheus
-from .view import JobView, from_prometheus, parse_time
+from .view import JobView, from_prometheus, fmt_time, parse_time
 
 # the shortest window from Prometheus unless --window says otherwise: a recorded run's default
 # is its own (MIN_WINDOW_STEPS steps), which a fixed number of seconds would override
 PROMETHEUS_WINDOW = 15.0
+DEFAULT_START, DEFAULT_END = "now-1h", "now"  # from Prometheus
+_STORE = tracked(argparse._StoreAction)
 
 
 def add_source_flags(p) -> None:
@@ -29,8 +32,13 @@ def add_source_flags(p) -> None:
     cli.add_flag(p, "--prometheus-basic-auth-password-file", default=None, metavar="FILE",
                  help="file holding the HTTP basic auth password")
     cli.add_flag(p, "--job", default=None, help="train job (label train_job) to analyse")
-    cli.add_flag(p, "--start", default="now-1h", help="range start: now, now-2h, unix seconds or RFC 3339")
-    cli.add_flag(p, "--end", default="now", help="range end: now, now-5m, unix seconds or RFC 3339")
+    # no default here: a recorded run tells a bound given (as the flag or its twin) from one not given
+    cli.add_flag(p, "--start", default=None, action=_STORE,
+                 help=f"range start: now, now-2h, unix seconds or RFC 3339 (not given: {DEFAULT_START}; "
+                      "a recorded run: its first step)")
+    cli.add_flag(p, "--end", default=None, action=_STORE,
+                 help=f"range end: now, now-5m, unix seconds or RFC 3339 (not given: {DEFAULT_END}; "
+                      "a recorded run: its last step)")
     # not SYNCWATCH_WINDOW: that is the daemon's window in steps, and one exported for either
     # command would silently change the other
     cli.add_flag(p, "--window", type=float, default=None, env="SYNCWATCH_ANALYSIS_WINDOW",
@@ -53,18 +61,42 @@ def view_from_args(args) -> tuple[JobView, dict | None]:
         run = recording.load(args.input)
         if args.job and args.job != run.get("job"):
             raise AnalysisError(f"unknown train job {args.job!r}: {args.input} records {run.get('job')!r}")
-        # a bound left at its default leaves the run's own edge: the default start (an hour ago)
-        # taken along with a given --end would lie long after a run recorded earlier
-        start = parse_time(args.start) if args.start != "now-1h" else None
-        end = parse_time(args.end) if args.end != "now" else None
+        # a bound not given leaves the run's own edge: the default start (an hour ago) taken along
+        # with a given --end would lie long after a run recorded earlier. One given, as the flag
+        # or its twin, applies as given, "now-1h" too (that value read as not given)
+        start = parse_time(args.start) if args.start is not None else None
+        end = parse_time(args.end) if args.end is not None else None
+        if not recording.select(run, start, end):
+            raise AnalysisError(_empty_recording(args, run, start, end))
         return recording.to_view(run, args.input, start, end, args.window), run
     if not args.prometheus:
         raise AnalysisError("give --prometheus URL (with --job) or --input FILE")
     if not args.job:
         raise AnalysisError("--job (the train_job label) is required with --prometheus")
-    start, end = parse_time(args.start), parse_time(args.end)
+    start = parse_time(DEFAULT_START if args.start is None else args.start)
+    end = parse_time(DEFAULT_END if args.end is None else args.end)
     window = PROMETHEUS_WINDOW if args.window is None else args.window
     return from_prometheus(prometheus_from_args(args), args.job, start, end, window), None
+
+
+def _empty_recording(args, run: dict, start: float | None, end: float | None) -> str:
+    """Why no step of a recorded run is in range: the bounds as given (flag or environment twin,
+    which a user may have exported for Prometheus and forgotten) and when the run's steps ended."""
+    def bound(name: str, t: float | None, edge: str) -> str:
+        value = getattr(args, name)
+        if value is None:
+            return f"the run's {edge} step"
+        given = (f"--{name} {value}" if name in getattr(args, "_given", ()) else
+                 f"{cli.env_name('--' + name)}={value}")
+        return f"{fmt_time(t)} ({given})"
+
+    ends = [s["t"] + s["seconds"] for s in run["steps"]]
+    held = (f"its steps end between {fmt_time(ends[0])} and {fmt_time(ends[-1])}" if ends
+            else "it holds no step")
+    relative = any(v is not None and str(v).strip().startswith("now") for v in (args.start, args.end))
+    hint = "; a time relative to now counts from now, not from the recording" if relative and ends else ""
+    return (f"{args.input}: no step of {run.get('job')!r} ends between {bound('start', start, 'first')} and "
+            f"{bound('end', end, 'last')} (empty range): {held}{hint}")
 
 
 def prometheus_from_args(args) -> Prometheus:

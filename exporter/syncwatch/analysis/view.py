@@ -295,7 +295,7 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
         known = prom.query(f"group by (train_job) (max_over_time(syncwatch_rank_info[{span:.0f}s]))", end)
         names = sorted(filter(None, (label(k, "train_job") for k in known)))
         hint = f"; train jobs in range: {', '.join(names)}" if names else "; no train job reported in range"
-        raise AnalysisError(f"unknown train job {job!r} between {_fmt(start)} and {_fmt(end)}{hint}")
+        raise AnalysisError(f"unknown train job {job!r} between {fmt_time(start)} and {fmt_time(end)}{hint}")
     rank_node, instance_node = {}, {}
     for key in info:
         r, node, inst = label(key, "rank"), label(key, "node"), label(key, "instance")
@@ -328,13 +328,13 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
         res = per_window(f"sum by (rank) (increase({metric}{{{sel}{extra}}}[{w}]))")
         per_rank[name] = {int(label(k, "rank")): align(v) for k, v in res.items() if label(k, "rank") is not None}
     if sum(v for row in per_rank["steps"].values() for v in row if v) <= 0:
-        raise AnalysisError(f"train job {job!r} completed no steps between {_fmt(start)} and {_fmt(end)} "
+        raise AnalysisError(f"train job {job!r} completed no steps between {fmt_time(start)} and {fmt_time(end)} "
                             "(empty range)")
     arrivals = [x for row in per_rank["last_arrivals"].values() for x in row if x is not None]
     if arrivals and not any(x > 0 for x in arrivals):  # the exchange is on, and none landed
         about = f" (about {period:.0f} s)" if period is not None else ""
-        raise AnalysisError(f"no skew-exchange result for train job {job!r} between {_fmt(start)} and "
-                            f"{_fmt(end)}: the range is shorter than one exchange period{about}, and "
+        raise AnalysisError(f"no skew-exchange result for train job {job!r} between {fmt_time(start)} and "
+                            f"{fmt_time(end)}: the range is shorter than one exchange period{about}, and "
                             "slack and last arrivals land once per period; widen the range")
 
     def job_series(expr: str) -> list[float | None]:
@@ -477,5 +477,5 @@ def _finite(v: float | None) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 
 
-def _fmt(t: float) -> str:
+def fmt_time(t: float) -> str:
     return datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
