@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import threading
 import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -305,6 +308,65 @@ def test_a_checkpoint_costs_rank_0s_save_whichever_ranks_save(prom, job, monkeyp
     (young,) = [o for o in f["options"] if "Young's optimum" in o]
     interval = float(young.split(" = ")[1].split(" s ")[0])
     assert interval == pytest.approx(math.sqrt(2 * 10.0 * mtbf), abs=1)
+
+
+PARTIAL = "partial response: store 10.0.0.7:10901 did not answer (context deadline exceeded)"
+
+
+class _Warning(BaseHTTPRequestHandler):
+    """Passes each request on to the real Prometheus and adds ``PARTIAL`` to its JSON answer's
+    ``warnings``, as Thanos' querier does with partial responses on where a store did not answer."""
+
+    def _relay(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if self.command == "POST" else None
+        req = urllib.request.Request(self.server.upstream + self.path, data=body, method=self.command,
+                                     headers={"Content-Type": self.headers.get("Content-Type", "")})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            answer = json.loads(resp.read())
+        answer["warnings"] = [*answer.get("warnings", []), PARTIAL]
+        out = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    do_GET = do_POST = _relay
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def partial(prom):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Warning)
+    srv.upstream = prom
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_a_partial_answer_is_noted_not_passed_off_as_whole(prom, partial, tmp_path, monkeypatch, capsys):
+    """The same series answered with a warning (a partial response: some store's series missing)
+    read as a whole answer: diagnose, project and report said nothing of it. Each now notes it,
+    names the warning, and still reads the figures."""
+    whole = _diagnose(monkeypatch, capsys, prom, "steady", T0 + 300, T0 + 900)
+    d = _diagnose(monkeypatch, capsys, partial, "steady", T0 + 300, T0 + 900)
+    note = (f"Prometheus at {partial} answered with warnings, so the figures may rest on partial data "
+            f"(some series missing): {PARTIAL}")
+    assert d["notes"][0] == note and note not in whole["notes"]
+    assert d["scores"] == whole["scores"] and d["verdict"] == whole["verdict"]
+    argv = ["--job", "steady", "--start", str(T0 + 300), "--end", str(T0 + 1260)]
+    code, out, err = run_cli(monkeypatch, capsys, ["diagnose", "--prometheus", partial, *argv])
+    assert code == 0 and f"  note: {note}" in out.splitlines(), err
+    code, out, err = run_cli(monkeypatch, capsys, ["project", "--prometheus", partial, *argv, "--json"])
+    assert code == 0 and json.loads(out)["measured"]["notes"] == [note], err
+    code, out, err = run_cli(monkeypatch, capsys, ["project", "--prometheus", partial, *argv])
+    assert code == 0 and f"  note: {note}" in out.splitlines(), err
+    html = tmp_path / "report.html"
+    code, out, err = run_cli(monkeypatch, capsys, ["report", "--prometheus", partial, *argv, "--output", str(html)])
+    assert code == 0 and PARTIAL in html.read_text(), err
 
 
 # bcrypt of "s3cret" at cost 4 (cheap to check on every request), as Prometheus' web configuration

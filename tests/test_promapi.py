@@ -131,6 +131,21 @@ def test_a_200_with_status_error_names_the_endpoint_and_error(canned):
         client.api("query_range", query="up", start=1, end=2, step=1)
 
 
+def test_warnings_of_a_partial_answer_are_kept_not_dropped(canned):
+    """Thanos and Mimir answer "success" with ``warnings`` where a store did not answer (a
+    partial response); the client returned the data and dropped them, so nothing downstream could
+    say its figures missed series. Each distinct warning is kept, in order, and the data returned."""
+    srv, client = canned
+    partial = "No StoreAPIs matched for this query"
+    srv.answer = _json(200, {"status": "success", "warnings": [partial, "store 10.0.0.7:10901: timeout"],
+                             "data": {"resultType": "vector", "result": []}})
+    assert client.api("query", query="up") == {"resultType": "vector", "result": []}
+    srv.answer = _json(200, {"status": "success", "warnings": [partial], "data": {"resultType": "matrix",
+                                                                                 "result": []}})
+    client.api("query_range", query="up", start=1, end=2, step=1)
+    assert client.warnings == [partial, "store 10.0.0.7:10901: timeout"]
+
+
 def test_connection_cut_without_an_answer_is_unreachable(canned):
     srv, client = canned
     srv.answer = (None, "", b"")

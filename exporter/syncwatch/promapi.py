@@ -11,6 +11,10 @@ text, e.g. a PromQL parse error, is in the message; 401/403: credentials missing
 ``BadResponse`` (an answer that is not Prometheus JSON: the URL points at something else).
 ``syncwatch.stack`` and ``syncwatch.analysis`` wrap it in their own error types.
 
+An answer's ``warnings`` (a partial answer from Thanos or Mimir, where a store or querier
+did not answer; Prometheus' own warnings) do not fail the request: the client keeps each one
+once, in the order they came, in ``Client.warnings``, for the caller to report.
+
 A Prometheus-compatible endpoint behind an authenticating proxy takes ``bearer_token`` or
 ``basic_auth=(user, password)``; credentials written in the URL (``https://user:pass@host``) are
 basic auth too, and are left out of the URL that messages show.
@@ -79,6 +83,7 @@ class Client:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.authorization: str | None = None
+        self.warnings: list[str] = []   # every distinct warning of the answers so far
         if bearer_token is not None:
             self.authorization = f"Bearer {bearer_token}"
         elif basic_auth is not None:
@@ -105,6 +110,10 @@ class Client:
             raise BadResponse(f"{self.url} did not answer with Prometheus JSON (is it Prometheus?)")
         if answer["status"] != "success":
             raise PrometheusError(f"Prometheus at {self.url} failed /api/v1/{path}: {_error_text(answer)}")
+        warnings = answer.get("warnings")
+        for w in warnings if isinstance(warnings, list) else []:
+            if str(w) not in self.warnings:
+                self.warnings.append(str(w))
         return answer.get("data")
 
     def request(self, path: str, form: dict | None = None) -> bytes:

@@ -540,7 +540,7 @@ def detect_restarts(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
 
 def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
     s = scores(v)
-    notes = []
+    notes = [n for n in (v.warnings_note(),) if n]
     if s["steps"] < FEW_STEPS:
         notes.append(f"only {s['steps']:.0f} steps in range: fewer than the {FEW_STEPS} the daemons' "
                      "step-time CV spans, and a straggler, an oscillation or congestion episodes may "

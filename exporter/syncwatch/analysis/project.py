@@ -81,6 +81,7 @@ class Measurement:
     sigma: float | None = None       # gaussian method
     step_max_compute: list[float] | None = None  # recorded method: per-step max compute, sorted
     estimated: list[str] = field(default_factory=list)  # inputs estimated from mean waits (K = 0)
+    notes: list[str] = field(default_factory=list)      # the source's warnings (partial data)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -145,7 +146,8 @@ def measure_view(v: JobView) -> Measurement:
                        samples_per_rank_step=v.samples_per_rank_step, mean_step=mean_step,
                        step_cv=math.sqrt(var_t) / mean_step if var_t is not None else None,
                        coupling=slack / step_s, sigma=sigma,
-                       estimated=[] if v.has_exact() else list(ESTIMATED))
+                       estimated=[] if v.has_exact() else list(ESTIMATED),
+                       notes=[n for n in (v.warnings_note(),) if n])
 
 
 def _window_episodes(windows: list[float], mean: float, step_var: float | None) -> tuple[float, float, float]:
@@ -324,6 +326,7 @@ def summary(res: dict) -> str:
              f"{pct(m['coupling'])}; collective {1e3 * m['collective']:.1f} ms, congestion episodes "
              f"{pct(m['congestion_probability'])} of steps",
              *([f"  {ESTIMATE_NOTE}"] if m["estimated"] else []),
+             *[f"  note: {n}" for n in m["notes"]],
              "",
              f"  {'nodes':>6} {'ranks':>6} {'step':>10} {'step CV':>8} {'coupling':>9} {'throughput':>14} {'efficiency':>10}",
              f"  {base['nodes']:>6} {base['ranks']:>6} {1e3 * base['mean_step_seconds']:>8.1f}ms "

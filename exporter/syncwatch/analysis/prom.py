@@ -2,7 +2,8 @@
 
 Requests go through ``syncwatch.promapi``; its errors become ``AnalysisError`` (exit code 2) with
 the message naming the URL and what went wrong, so every command reports "Prometheus unreachable"
-the same way; a timeout and an HTTP 401/403 also say which flag to change.
+the same way; a timeout and an HTTP 401/403 also say which flag to change. The answers' warnings
+(partial answers) are kept in ``warnings`` for the commands to note.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ class Prometheus:
             raise AnalysisError(f"{e}{self._auth_hint(e.code)}") from None
         except promapi.PrometheusError as e:
             raise AnalysisError(str(e)) from None
+
+    @property
+    def warnings(self) -> list[str]:
+        """The distinct warnings of the answers so far (a partial answer, from Thanos or Mimir)."""
+        return self.client.warnings
 
     def _auth_hint(self, code: int) -> str:
         given = self.client.authorization is not None

@@ -65,6 +65,7 @@ SCRAPES_PER_WINDOW = 2.5
 # collective time ((sync - slack) / steps) swung 35-67 ms about a true 45 ms (a straggler job read
 # as fabric contention); over four, the error is a quarter of that
 EXCHANGES_PER_WINDOW = 4
+WARNINGS_SHOWN = 3  # a partial answer from many stores warns once per store: the first few say enough
 
 
 @dataclass
@@ -93,6 +94,18 @@ class JobView:
     rerun_steps_at_start: float | None = None            # (None: unknown)
     restarts_from_attempts: float | None = None          # attempts begun in range, across daemons
     rerun_steps_from_steps: float | None = None          # executed steps less step-number progress
+    # the answers' warnings, distinct: a backend that answered in part (Thanos, Mimir: a store or
+    # querier that did not answer) still answers "success", and the figures miss its series
+    warnings: list[str] = field(default_factory=list)
+
+    def warnings_note(self) -> str | None:
+        """What every command notes where the answers came with warnings (None: none came)."""
+        if not self.warnings:
+            return None
+        shown = "; ".join(self.warnings[:WARNINGS_SHOWN])
+        more = len(self.warnings) - WARNINGS_SHOWN
+        return (f"Prometheus at {self.source} answered with warnings, so the figures may rest on partial data "
+                f"(some series missing): {shown}" + (f" (and {more} more)" if more > 0 else ""))
 
     # ---- job-level sums
     @property
@@ -392,7 +405,8 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
         hardware=hardware, samples_per_rank_step=samples, checkpoints=checkpoints,
         checkpoint_cost=checkpoint_cost,
         restarts_at_start=at_start["restarts"], rerun_steps_at_start=at_start["rerun_steps"],
-        restarts_from_attempts=restarts_from_attempts, rerun_steps_from_steps=rerun_from_steps)
+        restarts_from_attempts=restarts_from_attempts, rerun_steps_from_steps=rerun_from_steps,
+        warnings=list(prom.warnings))
 
 
 PERIOD_RANKS = 8  # ranks whose slack tells the exchange's period: all but a straggler idle
