@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from analysis_helpers import SCENARIO_MODES, run_cli
+from analysis_helpers import SCENARIO_MODES, run_cli, run_json
 from conftest import subprocess_env
 from syncwatch.analysis import recording
 from syncwatch.analysis.diagnose import diagnose, summary
@@ -415,12 +415,34 @@ def test_cli_offline_json_and_summary(tmp_path, monkeypatch, capsys):
     code, out, err = run_cli(monkeypatch, capsys, ["diagnose", "--input", str(path), "--json"])
     assert code == 0, err
     data = json.loads(out)
-    assert data["verdict"] == "1 structural problem(s) found"
+    assert data["verdict"] == "1 structural problem found"
     assert data["findings"][0]["mode"] == "checkpoint_restart"
     assert {"phenomenon", "evidence", "cause", "options", "confidence"} <= set(data["findings"][0])
     recording.save(recorded("healthy"), path)
     code, out, _ = run_cli(monkeypatch, capsys, ["diagnose", "--input", str(path)])
     assert code == 0 and "no structural problem found" in out
+
+
+def test_counts_agree_with_their_nouns(tmp_path, monkeypatch, capsys):
+    """A one-rank job read "1 ranks on 1 nodes" (diagnose, report), a two-rank straggler "the other 1 ranks wait for
+    it", and a finding "1 structural problem(s) found" after "restarted 2 time(s)"."""
+    path = tmp_path / "run.json"
+    truth = sim.run_scenario("restarts", nodes=1, ranks_per_node=1, seed=0)
+    recording.save(recording.from_ground_truth(truth, start_wall=START), path)
+    code, out, err = run_cli(monkeypatch, capsys, ["diagnose", "--input", str(path)])
+    assert code == 0, err
+    assert out.startswith(f"syncwatch diagnose: train job sim-restarts — 1 rank on 1 node, {len(truth.steps)} steps")
+    assert f"The job restarted {len(truth.restarts)} times and re-ran" in out and "(s)" not in out
+    data = run_json(monkeypatch, capsys, ["diagnose", "--input", str(path)])
+    assert data["verdict"] == "1 structural problem found"
+    html = tmp_path / "report.html"
+    code, _, err = run_cli(monkeypatch, capsys, ["report", "--input", str(path), "--output", str(html)])
+    assert code == 0 and '<p class="meta">1 rank on 1 node · ' in html.read_text(), err
+    recording.save(recording.from_ground_truth(sim.run_scenario("straggler", nodes=1, ranks_per_node=2, seed=0),
+                                               start_wall=START), path)
+    code, out, err = run_cli(monkeypatch, capsys, ["diagnose", "--input", str(path)])
+    assert code == 0 and "— 2 ranks on 1 node," in out, err
+    assert "the other rank waits for it" in out and "1 ranks" not in out
 
 
 @pytest.mark.parametrize(("flag", "lo", "hi"), [("--end", -math.inf, START + 120), ("--start", START + 120, math.inf)])

@@ -241,6 +241,19 @@ def test_summary_names_the_figures(monkeypatch, capsys):
         assert words in out
 
 
+def test_counts_of_one_are_singular(monkeypatch, capsys):
+    """One GPU on one node for one step read "1 GPUs (1 nodes x 1)", "x 1 GPUs" and "(1 steps)";
+    a node count the batch cannot split over "makes 1 data-parallel replicas"."""
+    argv = ["jct", "--params", "1G", "--tokens", "1M", "--seq-len", "1024", "--nodes", "1",
+            "--gpus-per-node", "1", "--sustained-tflops", "100"]
+    code, out, err = run_cli(monkeypatch, capsys, [*argv, "--batch-tokens", "1M"])
+    assert code == 0, err
+    assert out.startswith("syncwatch jct: 1 GPU (1 node x 1), TP 1 x PP 1 x DP 1,")
+    assert "TFLOPS x 1 GPU)" in out and "  per step (1 step) compute" in out
+    code, _, err = run_cli(monkeypatch, capsys, [*argv, "--batch-tokens", "100"])
+    assert code == 2 and "--nodes 1 makes 1 data-parallel replica (TP 1 x PP 1)" in err
+
+
 def test_failures_without_a_checkpoint_cost_say_checkpoints_are_assumed_free(monkeypatch, capsys):
     """With --mtbf-hours and the default --checkpoint-seconds 0 the model checkpoints continuously
     at no cost (a failure loses its restart only), yet the summary said "checkpoints none

@@ -22,7 +22,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from ..rules.thresholds import THRESHOLDS
-from .common import command, emit_json, lag1, ms, pct
+from .common import command, emit_json, lag1, ms, pct, plural
 from .prom import quote
 from .source import add_source_flags, view_from_args
 from .view import BYTES_SERIES, CONGESTION_SERIES, JobView
@@ -96,9 +96,9 @@ class Diagnosis:
     @property
     def verdict(self) -> str:
         if self.findings:
-            return f"{len(self.findings)} structural problem(s) found"
+            return f"{plural(len(self.findings), 'structural problem')} found"
         if self.steps < FEW_STEPS:
-            return (f"no structural problem found in {self.steps:.0f} steps, too few to rule any "
+            return (f"no structural problem found in {plural(self.steps, 'step', '.0f')}, too few to rule any "
                     "out: widen the range")
         if self.job_windows < FEW_WINDOWS:
             return (f"no structural problem found in what could be assessed: the job ran through "
@@ -219,7 +219,7 @@ def detect_stragglers(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
                    f"holding {pct(share)} of steps (estimated from mean waits: the exact skew exchange is off)")
         return [Finding(
             mode="straggler_persistent", title=f"Persistent straggler: rank {top} on {node}",
-            phenomenon=f"Rank {top} (node {node}) {arrives}; the other {len(la) - 1} ranks wait for it, "
+            phenomenon=f"Rank {top} (node {node}) {arrives}; {'the other rank waits' if len(la) == 2 else f'the other {len(la) - 1} ranks wait'} for it, "
                        f"{'' if exact else 'an estimated '}{pct(coupling)} of all rank-time is idle.",
             evidence=evidence,
             cause="One slow rank sets the pace of a synchronous job: its local slowness (a degraded GPU, "
@@ -508,10 +508,10 @@ def detect_restarts(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
     # and so Young's interval, long by the time the job was not yet running
     span = v.running_seconds
     evidence = [{"series": "syncwatch_job_restarts_total, syncwatch_job_attempt", "value": restarts,
-                 "reading": f"{restarts:.0f} restart(s) in {span / 60:.1f} min"},
+                 "reading": f"{plural(restarts, 'restart', '.0f')} in {span / 60:.1f} min"},
                 {"series": "syncwatch_job_rerun_steps_total, syncwatch_steps_total - syncwatch_last_step",
                  "value": rerun,
-                 "reading": f"{rerun:.0f} steps computed twice ({pct(rerun / steps if steps else None)} of the steps run)"}]
+                 "reading": f"{plural(rerun, 'step', '.0f')} computed twice ({pct(rerun / steps if steps else None)} of the steps run)"}]
     options = ["find and remove the failing component: cordon the node behind the failures (XID errors, "
                "link flaps, ECC) before the next restart",
                "checkpoint asynchronously so a shorter interval costs little"]
@@ -526,11 +526,11 @@ def detect_restarts(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
                          "reading": f"a checkpoint costs {t_ckpt:.2f} s (global rank 0's, {v.checkpoints:.0f} in "
                                     f"range); observed MTBF {mtbf / 60:.1f} min"})
         options.insert(1, f"set the checkpoint interval to Young's optimum sqrt(2 T_ckpt MTBF) = {interval:.0f} s "
-                          f"(~{interval / mean_step:.0f} steps) for the observed failure rate")
+                          f"(~{plural(interval / mean_step, 'step', '.0f')}) for the observed failure rate")
     options.append("scale down: cluster MTBF falls as 1/nodes, and every failure re-runs work on all of them")
     return [Finding(
         mode="checkpoint_restart", title="Checkpoint-restart amplification",
-        phenomenon=f"The job restarted {restarts:.0f} time(s) and re-ran {rerun:.0f} steps.",
+        phenomenon=f"The job restarted {plural(restarts, 'time', '.0f')} and re-ran {plural(rerun, 'step', '.0f')}.",
         evidence=evidence,
         cause="Every failure of any node stops all ranks: the job pays the restart and recomputes every "
               "step since the last checkpoint, so failures cost work in proportion to the checkpoint "
@@ -542,12 +542,12 @@ def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
     s = scores(v)
     notes = [n for n in (v.warnings_note(),) if n]
     if s["steps"] < FEW_STEPS:
-        notes.append(f"only {s['steps']:.0f} steps in range: fewer than the {FEW_STEPS} the daemons' "
+        notes.append(f"only {plural(s['steps'], 'step', '.0f')} in range: fewer than the {FEW_STEPS} the daemons' "
                      "step-time CV spans, and a straggler, an oscillation or congestion episodes may "
                      "not show in so few")
     job_windows = len(_vals(v.collective_series()))
     if job_windows < FEW_WINDOWS:
-        notes.append(f"the job ran through {job_windows} of the range's {len(v.times)} windows of "
+        notes.append(f"the job ran through {job_windows} of the range's {plural(len(v.times), 'window')} of "
                      f"{v.window:.0f} s: fabric contention and topology mismatch need {FEW_WINDOWS} and "
                      "were not assessed; narrow --start and --end to the job")
     exact = v.has_exact()
@@ -591,8 +591,8 @@ def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
 def summary(d: Diagnosis) -> str:
     s = d.scores
     est = estimate_mark(d)
-    lines = [f"syncwatch diagnose: train job {d.job} — {d.ranks} ranks on {d.nodes} nodes, "
-             f"{d.steps:,.0f} steps ({d.source})",
+    lines = [f"syncwatch diagnose: train job {d.job} — {plural(d.ranks, 'rank')} on {plural(d.nodes, 'node')}, "
+             f"{plural(d.steps, 'step', ',.0f')} ({d.source})",
              f"  mean step {ms(s['mean_step_seconds'])}, sync tax {pct(s['sync_tax'])}, coupling "
              f"{pct(s['coupling'])}{est('coupling')}, step CV {pct(s['step_cv'])}, straggler concentration "
              f"{pct(s['straggler_concentration'])}{est('straggler_concentration')}"]

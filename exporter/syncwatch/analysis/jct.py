@@ -29,7 +29,7 @@ import yaml
 from .. import cli
 from . import checkpoint as ck
 from .collectives import ALGORITHMS, hierarchical_allreduce_seconds
-from .common import AnalysisError, command, emit_json, finite_or_none, human_seconds, pct, quantity, tracked
+from .common import AnalysisError, command, emit_json, finite_or_none, human_seconds, pct, plural, quantity, tracked
 from .orderstats import expected_normal_max
 
 COMM_BOUND, COMPUTE_BOUND = 0.70, 0.85
@@ -146,10 +146,10 @@ class JobSpec:
         if most is not None and dp > most:
             nodes = int(most * self.tp * self.pp // self.gpus_per_node)
             raise AnalysisError(
-                f"--nodes {self.nodes} makes {dp} data-parallel replicas (TP {self.tp} x PP {self.pp}), but "
+                f"--nodes {self.nodes} makes {plural(dp, 'data-parallel replica')} (TP {self.tp} x PP {self.pp}), but "
                 f"the global batch splits into at most {math.floor(most)} (--batch-tokens {self.batch_tokens:g} / "
                 f"--seq-len {self.seq_len:g} / --microbatches {self.microbatches}: a micro-batch holds at "
-                f"least one sample): at most {nodes} nodes")
+                f"least one sample): at most {plural(nodes, 'node')}")
         self.total_flops(), self.total_steps()
         if self.gpus > self.tp * self.pp:
             self.gradient_bytes()
@@ -482,13 +482,13 @@ def load_config(path: str) -> dict:
 def summary(spec: JobSpec, e: Estimate) -> str:
     lay = f"TP {spec.tp} x PP {spec.pp} x DP {e.dp}"
     lines = [
-        f"syncwatch jct: {e.gpus:,} GPUs ({e.nodes:,} nodes x {spec.gpus_per_node}), {lay}, "
+        f"syncwatch jct: {plural(e.gpus, 'GPU', ',')} ({plural(e.nodes, 'node', ',')} x {spec.gpus_per_node}), {lay}, "
         f"{spec.algorithm} all-reduce",
         f"  theoretical minimum     {human_seconds(e.theoretical_min_seconds)}"
-        f"   ({e.total_flops:.3g} FLOP at {spec.sustained_tflops:g} TFLOPS x {e.gpus:,} GPUs)",
+        f"   ({e.total_flops:.3g} FLOP at {spec.sustained_tflops:g} TFLOPS x {plural(e.gpus, 'GPU', ',')})",
         f"  predicted wall-clock    {predicted_text(e)}",
         f"  utilization efficiency  {pct(e.efficiency)}: {e.reading}; largest loss: {e.largest_loss}",
-        f"  per step ({e.steps:,.0f} steps) compute {human_seconds(e.compute_seconds)}, "
+        f"  per step ({plural(e.steps, 'step', ',.0f')}) compute {human_seconds(e.compute_seconds)}, "
         f"bubble {human_seconds(e.bubble_seconds)}, jitter {human_seconds(e.jitter_seconds)}, "
         f"all-reduce {human_seconds(e.allreduce_intra_seconds + e.allreduce_inter_seconds)} "
         f"(intra {human_seconds(e.allreduce_intra_seconds)}, inter {human_seconds(e.allreduce_inter_seconds)}; "
@@ -525,7 +525,7 @@ def summary(spec: JobSpec, e: Estimate) -> str:
             lines.append(f"  sync wall               none: the job cannot be expected to finish at any node count "
                          f"up to {w['curve'][-1]['nodes']:,}")
         elif w["reached"]:
-            lines.append(f"  sync wall               {w['nodes']:,} nodes (predicted "
+            lines.append(f"  sync wall               {plural(w['nodes'], 'node', ',')} (predicted "
                          f"{human_seconds(w['predicted_seconds'])}); beyond it adding nodes no longer "
                          "shortens the job")
         else:

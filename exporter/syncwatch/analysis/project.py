@@ -41,7 +41,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from .. import cli
-from .common import AnalysisError, command, emit_json, pct
+from .common import AnalysisError, command, emit_json, pct, plural
 from .orderstats import normal_max_moments
 from .recording import select
 from .source import add_source_flags, view_from_args
@@ -94,7 +94,7 @@ def measure_run(run: dict, steps: list[dict]) -> Measurement:
     nodes = len(set(run["rank_node"]))
     ranks = len(run["rank_node"])
     if len(steps) < 10:
-        raise AnalysisError(f"only {len(steps)} steps in range: the projection needs at least 10")
+        raise AnalysisError(f"only {plural(len(steps), 'step')} in range: the projection needs at least 10")
     maxc, mins, all_c, secs = [], [], 0.0, []
     for s in steps:
         comp = [s["seconds"] - w for w in s["waits"]]
@@ -320,7 +320,8 @@ def _targets(text: str | None, n: int) -> list[int]:
 def summary(res: dict) -> str:
     m, base = res["measured"], res["model_at_measured"]
     unit = base["throughput_unit"]
-    lines = [f"syncwatch project: measured {m['ranks']} ranks on {m['nodes']} nodes, {m['steps']:,} steps "
+    lines = [f"syncwatch project: measured {plural(m['ranks'], 'rank')} on {plural(m['nodes'], 'node')}, "
+             f"{plural(m['steps'], 'step', ',')} "
              f"({m['method']}), {res['options']['scaling']} scaling, {res['options']['algorithm']} all-reduce",
              f"  measured   mean step {1e3 * m['mean_step']:.1f} ms, step CV {pct(m['step_cv'])}, coupling "
              f"{pct(m['coupling'])}; collective {1e3 * m['collective']:.1f} ms, congestion episodes "

@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import __version__, cli
 from ..rules.thresholds import THRESHOLDS
 from . import svg
-from .common import AnalysisError, command, ms, pct
+from .common import AnalysisError, command, ms, pct, plural
 from .diagnose import Diagnosis, diagnose, estimate_mark
 from .project import ESTIMATE_NOTE, Options, measurement, projection
 from .source import add_source_flags, view_from_args
@@ -45,8 +45,8 @@ def build(view: JobView, run_data: dict | None, proj_options: Options = Options(
         proj, proj_error = None, str(e)
     body = [
         f"<h1>syncwatch report: {escape(view.job)}</h1>",
-        f'<p class="meta">{len(view.rank_node)} ranks on {len(view.nodes)} nodes · '
-        f"{_when(view.start)} – {_when(view.end)} · {len(view.times)} windows of {view.window:.1f} s · "
+        f'<p class="meta">{plural(len(view.rank_node), "rank")} on {plural(len(view.nodes), "node")} · '
+        f"{_when(view.start)} – {_when(view.end)} · {plural(len(view.times), 'window')} of {view.window:.1f} s · "
         f"source {escape(view.source)} · syncwatch {__version__}</p>",
         _diagnosis_section(d), _scores_section(view), _straggler_section(view),
         _hardware_section(view), _projection_section(proj, proj_error),
@@ -73,7 +73,7 @@ def _diagnosis_section(d: Diagnosis) -> str:
     est = estimate_mark(d)
     head = (f"<p>Mean step {ms(s['mean_step_seconds'])} · sync tax {pct(s['sync_tax'])} · coupling "
             f"{pct(s['coupling'])}{est('coupling')} · step CV {pct(s['step_cv'])} · straggler concentration "
-            f"{pct(s['straggler_concentration'])}{est('straggler_concentration')} · {d.steps:,.0f} steps</p>")
+            f"{pct(s['straggler_concentration'])}{est('straggler_concentration')} · {plural(d.steps, 'step', ',.0f')}</p>")
     if d.healthy:
         items = f'<div class="healthy"><strong>{escape(d.verdict[:1].upper() + d.verdict[1:])}.</strong></div>'
     else:
@@ -175,7 +175,7 @@ def _projection_section(proj: dict | None, error: str | None) -> str:
     m = proj["measured"]
     note = f'<p class="note">{escape(ESTIMATE_NOTE)}.</p>' if m["estimated"] else ""
     return _section("projection", "Scaling projection",
-                    f"<p>Measured {m['ranks']} ranks on {m['nodes']} nodes ({escape(m['method'])}); "
+                    f"<p>Measured {plural(m['ranks'], 'rank')} on {plural(m['nodes'], 'node')} ({escape(m['method'])}); "
                     f"{proj['options']['scaling']} scaling, {proj['options']['algorithm']} all-reduce. "
                     f"{escape(wall_text)}</p>" + note + table
                     + svg.line_chart("Projected throughput", ns, {"throughput": [c["throughput"] for c in curve]},
@@ -215,7 +215,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        print(f"syncwatch report: wrote {out} ({len(html) / 1024:.0f} KiB, {summary['svg']} plots; "
+        print(f"syncwatch report: wrote {out} ({len(html) / 1024:.0f} KiB, {plural(summary['svg'], 'plot')}; "
               + (summary["verdict"] if summary["healthy"] else
                  f"findings: {', '.join(summary['findings'])}") + ")")
     return 0
