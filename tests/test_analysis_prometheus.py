@@ -73,11 +73,14 @@ def job_series(job: str, ranks: int = 4, ranks_per_node: int = 2, restarts: dict
     return out
 
 
-def moved_job_series(job: str, fail: float = T0 + 1000, back: int = 300, gap: int = 20):
+def moved_job_series(job: str, fail: float = T0 + 1000, back: int = 300, gap: int = 20,
+                     checkpoint_every: int = 0, checkpoint_seconds: float = 5.0):
     """Two ranks, one per node, steps numbered by the job: rank 0 on node 0 runs attempt 0 until
     ``fail``; the restart (``gap`` seconds later) puts it on node 1 as attempt 1, resuming ``back``
     steps before the failed step. Daemon 0 never hears rank 0 again and daemon 1 meets the job at
-    attempt 1: both daemons' job counters stay 0."""
+    attempt 1: both daemons' job counters stay 0. ``checkpoint_every``: rank 0 saves every so
+    many seconds of each attempt, for ``checkpoint_seconds``, in its daemon's checkpoint counters
+    (from 0 at each attempt: one series per daemon)."""
     out = []
     failed = int(fail - T0)
     for attempt, (first, last) in enumerate(((T0, fail), (fail + gap, T0 + SPAN))):
@@ -102,6 +105,11 @@ def moved_job_series(job: str, fail: float = T0 + 1000, back: int = 300, gap: in
                 out.append(("syncwatch_job_attempt", job_lab, [(t, attempt) for t in times]))
                 for name in ("syncwatch_job_restarts_total", "syncwatch_job_rerun_steps_total"):
                     out.append((name, job_lab, [(t, 0) for t in times]))
+                if checkpoint_every:
+                    saves = [(t, (t - first) // checkpoint_every) for t in times]
+                    out.append(("syncwatch_checkpoints_total", job_lab, saves))
+                    out.append(("syncwatch_checkpoint_seconds_total", job_lab,
+                                [(t, n * checkpoint_seconds) for t, n in saves]))
     return out
 
 
@@ -128,7 +136,8 @@ def prom(tmp_path_factory):
     series = [*job_series("steady"),
               *job_series("restarting", restarts={T0 + 302: 20, T0 + 1000: 30, T0 + 1800: 40}),
               *job_series("daemon-restart", restarts={T0 + 1000: 30, T0 + 1800: 40}, daemon_restart=T0 + 1400),
-              *moved_job_series("moved"), *job_series("scraped-15s", scrape=15),
+              *moved_job_series("moved"), *moved_job_series("moved-checkpointing", checkpoint_every=100),
+              *job_series("scraped-15s", scrape=15),
               *job_series("scraped-30s", scrape=30, step_times=True),
               *job_series("exchange-20s", exchange=20, step_times=True),
               *checkpointing_series("every-rank-saves", rank0_only=False),
@@ -367,6 +376,19 @@ def test_a_partial_answer_is_noted_not_passed_off_as_whole(prom, partial, tmp_pa
     html = tmp_path / "report.html"
     code, out, err = run_cli(monkeypatch, capsys, ["report", "--prometheus", partial, *argv, "--output", str(html)])
     assert code == 0 and PARTIAL in html.read_text(), err
+
+
+def test_checkpoints_of_a_rank_0_that_moved_node_are_all_counted(prom, monkeypatch, capsys):
+    """A 5 s checkpoint every 100 s of each attempt; the restart moves rank 0 from node 0 (10
+    checkpoints) to node 1 (13), each daemon's counters a series of their own. The cost summed
+    both series, the count took the larger: "a checkpoint costs 5.00 s (global rank 0's, 13 in
+    range)" for the 23 the job wrote. Count and cost now read the same series."""
+    d = _diagnose(monkeypatch, capsys, prom, "moved-checkpointing", T0, T0 + SPAN)
+    (f,) = [f for f in d["findings"] if f["mode"] == "checkpoint_restart"]
+    (cost,) = [e for e in f["evidence"] if "a checkpoint costs" in e["reading"]]
+    assert cost["value"] == pytest.approx(5.0, rel=0.01)
+    saved = int(cost["reading"].split("global rank 0's, ")[1].split(" in range")[0])
+    assert saved == 1000 // 100 + (SPAN - 1000 - 20) // 100 == 23
 
 
 # bcrypt of "s3cret" at cost 4 (cheap to check on every request), as Prometheus' web configuration
