@@ -239,7 +239,7 @@ def recording_rules(c: Ctx) -> list[dict]:
         # EfficiencyDrift), and a pause over the 70m of the baseline made it 0 and the ratio +Inf.
         {"record": "train_job:syncwatch_samples_per_gpu:rate5m",
          "expr": "(train_job:syncwatch_samples:rate5m > 0)\n/ on (train_job)\n"
-                 "count by (train_job) (syncwatch_rank_info)"},
+                 "count by (train_job) (max by (train_job, rank) (syncwatch_rank_info))"},
         {"record": "train_job:syncwatch_samples_per_gpu:baseline1h",
          "expr": f"avg_over_time(train_job:syncwatch_samples_per_gpu:rate5m[{c.d(w.trailing)}] "
                  f"offset {c.d(w.baseline_offset)})"},
