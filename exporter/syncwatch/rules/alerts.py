@@ -103,8 +103,11 @@ def stragglers(c: Ctx) -> list[dict]:
 def pausing(c: Ctx, by: str) -> str:
     """The (train_job[, rank]) with a rank in a planned pause, saving a checkpoint or evaluating
     (its heartbeats' phase), for less than the allowance: a long save or evaluation makes no
-    step and may enter no collective, yet is no stall."""
-    return (f'max by ({by}) (syncwatch_rank_phase_elapsed_seconds{{phase=~"{"|".join(PAUSES)}"}})'
+    step and may enter no collective, yet is no stall. Not a rank that ended: its phase is
+    frozen, and one that failed during a save held JobStalled off for the ranks it left waiting
+    until its series went."""
+    return (f'max by ({by}) (\n  syncwatch_rank_phase_elapsed_seconds{{phase=~"{"|".join(PAUSES)}"}}\n'
+            f"  unless on (train_job, rank) syncwatch_rank_end_timestamp_seconds\n)"
             f" < {c.seconds(c.windows.pause_allowance)}")
 
 
@@ -158,7 +161,7 @@ def progress(c: Ctx) -> list[dict]:
                   "    max by (train_job, rank) (syncwatch_collective_sequence)\n  ) > 0\n"
                   "  and on (train_job, rank)\n"
                   f"  max by (train_job, rank) (changes(syncwatch_collective_sequence[{c.d(w.desync)}])) == 0\n"
-                  f"  unless on (train_job, rank)\n  {pausing(c, 'train_job, rank')}"),
+                  f"  unless on (train_job, rank)\n  {pausing(c, 'train_job, rank').replace(chr(10), chr(10) + '  ')}"),
               w.for_desync, "critical",
               "A rank is stuck behind the collectives of its train job.",
               f"Rank {RANK} on node {NODE} of train job {JOB} is {_num('%.0f')} collective(s) "
