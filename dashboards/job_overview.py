@@ -201,8 +201,10 @@ def build() -> db.Dashboard:
             panel(timeseries.Panel(), "Restarts and re-run work",
                   "Attempt number, and restarts and steps re-run after them over the hour before "
                   "each point, counted across the node daemons (a restart that moved rank 0 to "
-                  "another node included). Each step up of the attempt line is a restart; the "
-                  "re-run line rises by the steps lost since the last checkpoint (a long checkpoint "
+                  "another node included). Each step up of the attempt line is a restart, "
+                  "whatever its height, not one restart per unit (a Slurm requeue of a torchrun "
+                  "job raises the attempt by torchrun's unused restarts + 1; the restarts line "
+                  "counts it once); the re-run line rises by the steps lost since the last checkpoint (a long checkpoint "
                   "interval makes each restart expensive) and falls an hour later.",
                   query(f'max by (train_job) (syncwatch_job_attempt{{{JOB}}})', "attempt"),
                   query(f'train_job:syncwatch_restarts:increase1h{{{JOB}}}', "restarts (1h)"),

@@ -439,6 +439,28 @@ def test_restart_panels_count_a_restart_that_moved_rank_0_to_another_node(tmp_pa
     ], rule_files=RECORDING_RULES)
 
 
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus)")
+def test_restart_panel_says_a_step_up_of_the_attempt_is_one_restart_however_tall(tmp_path):
+    """Under Slurm with torchrun inside (--max-restarts 3) a requeue after no torchrun restart
+    raises the attempt from 0 to 4 (docs/rules.md): on the job overview's restart panel the
+    attempt line steps up by 4 where the restarts line reads 1. Its description said "each step
+    up of the attempt line is a restart", which reads that step as 4 restarts."""
+    job = 'train_job="j", instance="a:9477"'
+    _promtool_expect(tmp_path, {
+        f'syncwatch_job_attempt{{{job}}}': "0x80 4x80",
+        f'syncwatch_job_restarts_total{{{job}}}': "0x80 1x80",
+    }, [
+        (_panel_expr("syncwatch-job-overview", "Restarts and re-run work", "A"), "30m",
+         [{"labels": '{train_job="j"}', "value": 4}]),
+        (f'round({_panel_expr("syncwatch-job-overview", "Restarts and re-run work", "B")})', "30m",
+         [{"labels": '{train_job="j"}', "value": 1}]),
+    ], rule_files=RECORDING_RULES)
+    panel = next(p for p in queries.panels(DASHBOARDS["syncwatch-job-overview"])
+                 if p["title"] == "Restarts and re-run work")
+    assert "not one restart per unit" in panel["description"]
+    assert "requeue" in panel["description"]
+
+
 def _hardware_daemons(node_a: tuple[str, ...]) -> dict[str, str]:
     """Daemon a (one GPU) whose ranks of job ``j`` report the node names ``node_a``, daemon b (one
     GPU) with one rank on node b; both GPUs at 50 °C."""
