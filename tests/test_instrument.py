@@ -2216,7 +2216,8 @@ def test_default_ddp_path_registers_no_comm_hook_and_waits_for_the_collectives(r
         assert 0 < r1.wait_seconds < 0.05 and r1.collective_sequence == 1
         assert r1.wait_seconds == phase(r1, "sync")
         assert r2.wait_seconds == 0 and phase(r2, "sync") == 0 and r2.collective_sequence == 1
-        assert 0.05 <= r3.wait_seconds < 0.2 and r3.collective_sequence == 2
+        # less what backward ran after the hook launched it (5-8 ms on a loaded machine)
+        assert 0.04 <= r3.wait_seconds < 0.2 and r3.collective_sequence == 2
         assert phase(r3, "backward") < 0.05   # the wait is not backward compute
         assert r3.totals.internal_errors == 0
     finally:
@@ -2261,11 +2262,12 @@ def test_a_step_with_two_gradient_syncs_waits_their_sum(rx, ddp_world1, path):
         m.step(4)
         r1, r2, r3 = steps(rx, 3)
         # each delay runs from its hook's launch, the wait from the end of backward's compute:
-        # less what compute remains after the launch (ms on a loaded machine: 0.096 s seen)
+        # less what compute remains after the launch (ms on a loaded machine: 0.096 s and 0.043 s
+        # of one wait seen); one wait where two belong would be 0.05 s
         for r in (r1, r2):
-            assert 0.09 <= r.wait_seconds < 0.3 and r.wait_seconds == phase(r, "sync")
+            assert 0.08 <= r.wait_seconds < 0.3 and r.wait_seconds == phase(r, "sync")
             assert phase(r, "backward") < 0.05
-        assert 0.045 <= r3.wait_seconds < 0.1
+        assert 0.04 <= r3.wait_seconds < 0.1
         # the hook-free path counts DDP's buckets for any backward through the parameters; the
         # wrapper counts the buckets DDP launched
         assert [r.collective_sequence for r in (r1, r2, r3)] == (
