@@ -105,16 +105,21 @@ def test_congestion_counters_following_the_collective_raise_confidence():
     assert any("correlation with collective time" in e["reading"] for e in f.evidence)
 
 
+def slow_collective(step: dict) -> dict:
+    """A recorded step whose collective took 40x longer: every rank waits that much more."""
+    extra = 40 * min(step["waits"])
+    step["waits"] = [w + extra for w in step["waits"]]
+    step["seconds"] += extra
+    return step
+
+
 def test_one_congested_step_is_no_fabric_contention():
     """A straggler job with one step whose collective took 40x longer, the fabric counters high in
     that step alone: one inflated window, over which the counters "correlate" (r = 1.00). It read
     as fabric contention at 0.9 beside the straggler; one event is no pattern."""
     run = recorded("straggler")
     steps = run["steps"]
-    hit = steps[len(steps) // 2]
-    extra = 40 * min(hit["waits"])
-    hit["waits"] = [w + extra for w in hit["waits"]]
-    hit["seconds"] += extra
+    hit = slow_collective(steps[len(steps) // 2])
     points = [[s["t"] + s["seconds"], 1e6 if s is hit else 1e3] for s in steps]
     run["hardware"] = {"ib_xmit_wait_rate": {f"sim-node-{n:02d}": points for n in range(4)}}
     d = diagnose(recording.to_view(run, "test"))
@@ -130,10 +135,7 @@ def test_one_slow_window_among_few_is_no_fabric_contention(counters):
     and its counter rates dropped). A share of windows is a pattern only over two of them."""
     run = recorded("straggler")
     steps = run["steps"]
-    hit = steps[len(steps) // 2]
-    extra = 40 * min(hit["waits"])
-    hit["waits"] = [w + extra for w in hit["waits"]]
-    hit["seconds"] += extra
+    hit = slow_collective(steps[len(steps) // 2])
     if counters == "falling":
         points = [[s["t"] + s["seconds"], 1e3 if s is hit else 1e6] for s in steps]
         run["hardware"] = {"roce_congestion_rate": {f"sim-node-{n:02d}": points for n in range(4)}}
@@ -141,9 +143,7 @@ def test_one_slow_window_among_few_is_no_fabric_contention(counters):
     v = recording.to_view(run, "test", min_window=len(steps) / 9 * mean_step)
     assert len([c for c in v.collective_series() if c is not None]) < 10  # one is >= 10 % of them
     assert [f.mode for f in diagnose(v).findings] == ["straggler_persistent"]
-    second = steps[len(steps) // 2 + 2 * len(steps) // 9]  # another window slowed: episodes
-    second["waits"] = [w + extra for w in second["waits"]]
-    second["seconds"] += extra
+    slow_collective(steps[len(steps) // 2 + 2 * len(steps) // 9])  # another window slowed: episodes
     v = recording.to_view(run, "test", min_window=len(steps) / 9 * mean_step)
     assert [f.mode for f in diagnose(v).findings] == ["straggler_persistent", "fabric_contention"]
 
