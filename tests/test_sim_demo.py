@@ -128,13 +128,15 @@ def test_demo_points_at_the_listen_host_when_it_cannot_bind_there(capsys):
 @pytest.mark.parametrize("flags", [["--step-time", "nan"], ["--step-time", "inf"],
                                    ["--step-time", "-1"], ["--duration", "-5"],
                                    ["--summary-every", "0"], ["--nodes", "0"], ["--ranks-per-node", "0"],
+                                   ["--ranks-per-node", "1025"],
                                    ["--job", "my job"], ["--job", "x" * 129],
                                    ["--base-port", "-5"], ["--base-port", "65534", "--nodes", "3"]])
 def test_demo_refuses_bad_arguments_before_starting_anything(flags, capsys):
     """A NaN step time ran a demo whose every record the daemons rejected (NaN durations), a
     negative duration stopped it at once after announcing it, a zero summary period printed the
     summary ten times a second, a --job outside the label alphabet died in a traceback once the
-    daemons were up, and so did a --base-port whose ports leave 1..65535."""
+    daemons were up, and so did a --base-port whose ports leave 1..65535 and more than 1024 ranks
+    per node (a GPU index the protocol refuses: ProtocolError bad_identity)."""
     from syncwatch import cli
     assert cli.main(["demo", "--base-port", "0", "--no-hardware", "--duration", "1", *flags]) == 2
     assert "syncwatch demo:" in capsys.readouterr().err

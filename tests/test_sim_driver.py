@@ -237,3 +237,14 @@ def test_checkpoints_count_even_when_they_take_no_time():
 def test_driver_refuses_mismatched_targets():
     with pytest.raises(ValueError, match="targets"):
         Driver(scenario_params("healthy", 2, 2), targets=[{"socket": "/nonexistent"}])
+
+
+def test_driver_refuses_more_ranks_per_node_than_the_protocol_identifies():
+    """A simulated rank's GPU index is its local rank, and the protocol takes indices below 1024:
+    1025 ranks per node died in the encoder with ProtocolError (bad_identity), a model-only run
+    too; 1024 run."""
+    with pytest.raises(ValueError, match="at most 1024 ranks per node"):
+        Driver(scenario_params("healthy", 1, 1025))
+    with pytest.raises(ValueError, match="at most 1024 ranks per node"):
+        run_scenario("straggler", 2, 1025, 1)
+    assert run_scenario("straggler", 1, 1024, 2).executed_steps == 2

@@ -33,7 +33,7 @@ import time
 
 from ..cli import add_flag, plain
 from ..protocol import LABEL_RE
-from .driver import GroundTruth, node_name
+from .driver import MAX_RANKS_PER_NODE, GroundTruth, node_name
 from .model import ABLATIONS, Params, format_sweep, scaling_sweep
 from .scenarios import SCENARIOS, ScenarioThread
 
@@ -146,6 +146,11 @@ def main(args) -> int:
         return 0
     if args.ablations:
         print("syncwatch demo: --ablations goes with --scenario scaling", file=sys.stderr)
+        return 2
+    if args.ranks_per_node > MAX_RANKS_PER_NODE:
+        print(f"syncwatch demo: --ranks-per-node must be at most {MAX_RANKS_PER_NODE}: each "
+              f"simulated rank reports its local rank as its GPU index, which the protocol "
+              f"bounds", file=sys.stderr)
         return 2
     if args.nodes < 1 or not 0 < args.step_time < math.inf:
         print("syncwatch demo: --nodes and --step-time must be positive (and finite)",

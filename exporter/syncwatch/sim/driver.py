@@ -30,13 +30,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..protocol import PHASES, Cumulative, Encoder, Identity
+from ..protocol import MAX_GPU, MAX_WORLD, PHASES, Cumulative, Encoder, Identity
 from ..sender import Sender
 from ..skew import EXCHANGE_SECONDS, SkewAccumulator, derive, window_size
 from .model import (I_CKPT, I_EVAL, I_SYNC, Model, Params, Restart, StepTruth,
                     lag1_autocorrelation, step_cv)
 
 N_PHASES = len(PHASES)
+# a simulated rank reports its local rank as its GPU index, which the protocol bounds
+MAX_RANKS_PER_NODE = MAX_GPU
 
 
 def node_name(prefix: str, n: int) -> str:
@@ -162,6 +164,10 @@ class Driver:
                  node_prefix: str = "sim-node-", retry_seconds: float = 30.0):
         if targets is not None and len(targets) != params.nodes:
             raise ValueError(f"{len(targets)} targets for {params.nodes} nodes")
+        if params.ranks_per_node > MAX_RANKS_PER_NODE or params.world_size > MAX_WORLD:
+            raise ValueError(f"{params.nodes} nodes x {params.ranks_per_node} ranks: the protocol "
+                             f"identifies at most {MAX_RANKS_PER_NODE} ranks per node (one GPU "
+                             f"index each) and {MAX_WORLD} in all")
         if exchange_every < 0 or heartbeat_every <= 0 or time_scale <= 0:
             raise ValueError("exchange_every >= 0, heartbeat_every > 0 and time_scale > 0 required")
         self.p = params
