@@ -248,3 +248,16 @@ def test_driver_refuses_more_ranks_per_node_than_the_protocol_identifies():
     with pytest.raises(ValueError, match="at most 1024 ranks per node"):
         run_scenario("straggler", 2, 1025, 1)
     assert run_scenario("straggler", 1, 1024, 2).executed_steps == 2
+
+
+@pytest.mark.parametrize("option, bad", [("time_scale", float("nan")), ("time_scale", float("inf")),
+                                         ("time_scale", 0.0), ("heartbeat_every", float("nan")),
+                                         ("heartbeat_every", -1.0), ("exchange_every", 2.5),
+                                         ("exchange_every", -1)])
+def test_driver_refuses_broken_clock_and_exchange_options(option, bad):
+    """Each was accepted: time_scale=nan ran the real-time mode without sleeping (every sleep
+    deadline NaN), time_scale=inf died at its first step (OverflowError in the wait),
+    heartbeat_every=nan sent no heartbeat at all, exchange_every=2.5 never filled a window (no
+    exact slack until the run's last step, none in a run stopped by its owner)."""
+    with pytest.raises(ValueError, match=f"^{option} must be"):
+        Driver(scenario_params("healthy", 1, 2), fast=False, **{option: bad})

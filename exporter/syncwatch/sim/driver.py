@@ -24,6 +24,7 @@ simulated time x ``time_scale`` and stamps records with the real wall clock (the
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 import threading
 import time
@@ -168,8 +169,15 @@ class Driver:
             raise ValueError(f"{params.nodes} nodes x {params.ranks_per_node} ranks: the protocol "
                              f"identifies at most {MAX_RANKS_PER_NODE} ranks per node (one GPU "
                              f"index each) and {MAX_WORLD} in all")
-        if exchange_every < 0 or heartbeat_every <= 0 or time_scale <= 0:
-            raise ValueError("exchange_every >= 0, heartbeat_every > 0 and time_scale > 0 required")
+        # NaN passes a "<= 0" check: a NaN time_scale ran unpaced (no sleep), a NaN
+        # heartbeat_every sent no heartbeat, an infinite time_scale died mid-run (OverflowError)
+        # and a fractional exchange_every never filled a window
+        if not (isinstance(exchange_every, int) and exchange_every >= 0):
+            raise ValueError(f"exchange_every must be a whole number of steps >= 0, not {exchange_every!r}")
+        if not heartbeat_every > 0:
+            raise ValueError(f"heartbeat_every must be > 0, not {heartbeat_every}")
+        if not 0 < time_scale < math.inf:
+            raise ValueError(f"time_scale must be positive and finite, not {time_scale}")
         self.p = params
         self.model = Model(params, seed)
         self.targets = targets
