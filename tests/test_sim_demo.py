@@ -152,6 +152,20 @@ def test_demo_scaling_refuses_a_bad_ranks_per_node(ranks, capsys):
     assert err.strip() == "syncwatch demo: --ranks-per-node must be at least 1" and not out
 
 
+def test_demo_announces_step_time_as_the_compute_it_is(capsys):
+    """--step-time is each rank's compute a step (its help's words); a step also holds the
+    collective (0.15 x compute) after the last arrival. The banner called it the step time
+    ('step time ~0.05s') above summary lines reading 'step 0.058s'."""
+    from syncwatch import cli
+    assert cli.main(["demo", "--scenario", "healthy", "--base-port", "0", "--nodes", "1",
+                     "--ranks-per-node", "2", "--no-hardware", "--step-time", "0.05",
+                     "--duration", "0.6"]) == 0
+    out = capsys.readouterr().out
+    assert "compute ~0.05s a step" in out.splitlines()[0]
+    step = float(re.search(r"  step (\S+)s  ", out.splitlines()[-1]).group(1))
+    assert step >= 0.05 * 1.1
+
+
 def test_demo_stopped_while_it_starts_cleans_up(monkeypatch, capsys):
     """A stop signal between the simulation's set-up and its start (the hardware following the
     driver here) stops the demo as any other: the summary, exit status 0, the daemons stopped

@@ -202,7 +202,7 @@ def _run(args) -> int:
                 return 2
             daemons.append(d)
         print(f"syncwatch demo: scenario {args.scenario}, {args.nodes} nodes x "
-              f"{args.ranks_per_node} ranks, step time ~{args.step_time}s, seed {args.seed}"
+              f"{args.ranks_per_node} ranks, compute ~{args.step_time}s a step, seed {args.seed}"
               + (", simulated GPUs and RoCE NICs" if hardware else ""))
         for n, d in enumerate(daemons):
             print(f"  {node_name(NODE_PREFIX, n)}: scrape {d.url}/metrics  (ingest {d.socket_path})")
