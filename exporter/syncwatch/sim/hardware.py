@@ -20,7 +20,7 @@ otherwise:
 
 | reading | from the simulator's truth |
 | --- | --- |
-| GPU heat h in [-1, 1] | thermal scenario: the node's sinusoid, (``Model.node_factors`` - 1) / amplitude; straggler: 1 on the slow rank's GPU once it straggles; otherwise 0 |
+| GPU heat h in [-1, 1] | thermal scenario: the node's sinusoid, (``Model.node_factors`` - 1) / abs(amplitude); straggler: 1 on the slow rank's GPU once it straggles; otherwise 0 |
 | temperature | 65 + 20 h °C; the ``sw_thermal`` throttle reason is active while h >= 0.75 (80 °C) |
 | SM clock | 1980 MHz / the compute slowdown the model applies to that rank (thermal x straggler) |
 | utilisation | 95 % while busy, else 0 |
@@ -192,7 +192,9 @@ class SimulatedHardware:
         ring = 2 * (p.nodes - 1) / p.nodes if p.nodes > 1 else 0.0
         self._busy = busy = steps > 0 or driver.stepping
         for n, node in enumerate(self.nodes):
-            heat = (factors[n] - 1.0) / p.thermal_amplitude if p.thermal_amplitude else 0.0
+            # the size of the swing: a negative amplitude only shifts the sinusoid's phase, and
+            # dividing by it made the slowest node the coldest and the fastest throttle
+            heat = (factors[n] - 1.0) / abs(p.thermal_amplitude) if p.thermal_amplitude else 0.0
             for local in range(p.ranks_per_node):
                 if straggling and n * p.ranks_per_node + local == p.straggler_rank:
                     node.set_gpu(local, 1.0, factors[n] * (1.0 + p.straggler_slowdown))
