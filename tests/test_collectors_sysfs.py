@@ -17,7 +17,7 @@ from conftest import run_unprivileged
 from syncwatch.collectors import NoData
 from syncwatch.collectors.infiniband import InfinibandCollector, parse_rate
 from syncwatch.collectors.net import NetCollector
-from syncwatch.sim.sysfs_tree import nic
+from syncwatch.sim.sysfs_tree import PMA_WIDTHS, ib_port, nic
 from syncwatch.collectors.sysfs import Absent, Unreadable, read_int, read_text
 
 SYSFS = FIXTURES / "sysfs"
@@ -73,6 +73,28 @@ def test_fixture_scenario_matches_golden(scenario):
     check_golden(f"sysfs_{scenario}", render(families))
 
 
+def test_fixture_counters_fit_the_kernels_field_widths():
+    """The kernel prints each PerfMgt counter from a fixed-width field (drivers/infiniband/core/
+    sysfs.c), which stops at its maximum: a value wider than that is one no port shows. The
+    congested tree had port_xmit_wait 9812334551 (32 bits: at most 4294967295) and link_flapping
+    local_link_integrity_errors 17 (4 bits: at most 15), and the tests asserted them."""
+    checked = 0
+    for path in sorted(SYSFS.glob("*/class/infiniband/*/ports/*/counters/*")):
+        text = path.read_text().strip()
+        if text.isdigit():
+            assert int(text) < 2 ** PMA_WIDTHS[path.name], (str(path.relative_to(SYSFS)), text)
+            checked += 1
+    assert checked > 100
+
+
+@pytest.mark.parametrize("counter,value", [("local_link_integrity_errors", 16), ("link_downed", 256),
+                                           ("symbol_error", 65_536), ("port_xmit_wait", 2 ** 32)])
+def test_writer_refuses_counters_wider_than_the_kernels(tmp_path, counter, value):
+    with pytest.raises(ValueError, match=counter):
+        ib_port(tmp_path, "mlx5_0", 1, link_layer="InfiniBand", counters={counter: value})
+    ib_port(tmp_path, "mlx5_0", 1, link_layer="InfiniBand", counters={counter: value - 1})  # its maximum
+
+
 def test_healthy_values_and_units():
     reg = registry_of(collect(SYSFS / "healthy")[0])
     v = reg.get_sample_value
@@ -100,7 +122,7 @@ def test_congested_shows_congestion_signals():
     assert v("syncwatch_roce_out_of_sequence_total", roce) == 40_213
     assert v("syncwatch_roce_retransmits_total", {**roce, "reason": "ack_timeout"}) == 1_022
     assert v("syncwatch_roce_retransmits_total", {**roce, "reason": "nak_sequence"}) == 3_981
-    assert v("syncwatch_ib_port_xmit_wait_total", {"device": "mlx5_0", "port": "1"}) == 9_812_334_551
+    assert v("syncwatch_ib_port_xmit_wait_total", {"device": "mlx5_0", "port": "1"}) == 3_812_334_551
     assert v("syncwatch_ib_buffer_overrun_errors_total", {"device": "mlx5_0", "port": "1"}) == 3
     assert v("syncwatch_nic_drops_total", {"device": "ens1f0np0", "direction": "receive"}) == 18_402
 
@@ -116,7 +138,7 @@ def test_link_flapping():
     assert v("syncwatch_ib_port_up", ib) == 0
     assert v("syncwatch_ib_link_downed_total", ib) == 23
     assert v("syncwatch_ib_symbol_errors_total", ib) == 65_535
-    assert v("syncwatch_ib_link_integrity_errors_total", ib) == 17
+    assert v("syncwatch_ib_link_integrity_errors_total", ib) == 15  # saturated: a 4-bit field
     assert v("syncwatch_ib_port_rcv_errors_total", ib) == 4_410
 
 

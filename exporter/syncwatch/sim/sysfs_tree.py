@@ -22,6 +22,16 @@ IB_COUNTERS = ["VL15_dropped", "excessive_buffer_overrun_errors", "link_downed",
                "port_rcv_remote_physical_errors", "port_rcv_switch_relay_errors",
                "port_xmit_constraint_errors", "port_xmit_data", "port_xmit_discards", "port_xmit_packets",
                "port_xmit_wait", "symbol_error", "unicast_rcv_packets", "unicast_xmit_packets"]
+# bits of each counters/ file: the field of PortCounters, or of PortCountersExtended for the data
+# and packet counters where the port has it (mlx5 has), that drivers/infiniband/core/sysfs.c
+# prints. A field stops at its maximum: a wider value is one no port shows.
+PMA_WIDTHS = {"symbol_error": 16, "link_error_recovery": 8, "link_downed": 8, "port_rcv_errors": 16,
+              "port_rcv_remote_physical_errors": 16, "port_rcv_switch_relay_errors": 16,
+              "port_xmit_discards": 16, "port_xmit_constraint_errors": 8, "port_rcv_constraint_errors": 8,
+              "local_link_integrity_errors": 4, "excessive_buffer_overrun_errors": 4, "VL15_dropped": 16,
+              "port_xmit_wait": 32, "port_xmit_data": 64, "port_rcv_data": 64, "port_xmit_packets": 64,
+              "port_rcv_packets": 64, "unicast_xmit_packets": 64, "unicast_rcv_packets": 64,
+              "multicast_xmit_packets": 64, "multicast_rcv_packets": 64}
 HW_COUNTERS = ["duplicate_request", "implied_nak_seq_err", "lifespan", "local_ack_timeout_err",
                "np_cnp_sent", "np_ecn_marked_roce_packets", "out_of_buffer", "out_of_sequence",
                "packet_seq_err", "req_cqe_error", "req_cqe_flush_error", "req_remote_access_errors",
@@ -84,7 +94,8 @@ def ib_port(root: Path, dev: str, port: int, *, link_layer: str, state: str = "4
             no_pma: bool = False, hw_counters: bool = True) -> Path:
     """A port of HCA ``dev`` (``link_layer`` "InfiniBand" or "Ethernet" for RoCE); returns its
     directory. ``hw_counters`` adds the mlx5 congestion-control counters; ``no_pma`` makes every
-    port counter read ``N/A (no PMA)``."""
+    port counter read ``N/A (no PMA)``. A counter value wider than its field (``PMA_WIDTHS``) is
+    a ValueError."""
     base = root / "class" / "infiniband" / dev / "ports" / str(port)
     write(base / "state", state)
     write(base / "phys_state", phys_state)
@@ -92,6 +103,9 @@ def ib_port(root: Path, dev: str, port: int, *, link_layer: str, state: str = "4
     write(base / "link_layer", link_layer)
     values = {"port_xmit_data": 2_503_104_811_520, "port_rcv_data": 2_498_775_012_864,
               "port_xmit_packets": 4_880_112_300, "port_rcv_packets": 4_871_455_128, **(counters or {})}
+    for name, value in values.items():
+        if isinstance(value, int) and not 0 <= value < 2 ** PMA_WIDTHS[name]:
+            raise ValueError(f"{name} {value}: the kernel's field is {PMA_WIDTHS[name]} bits")
     for name in IB_COUNTERS:
         write(base / "counters" / name, "N/A (no PMA)" if no_pma else str(values.get(name, 0)))
     if hw_counters:
