@@ -2190,6 +2190,31 @@ def test_a_second_init_in_one_process_is_a_new_process_to_the_daemon(rx, sock_pa
     assert (job.restarts, job.rerun_steps) == (1, 3)
 
 
+def test_a_second_init_while_running_says_it_is_ignored_without_blaming_syncwatch_run(
+        rx, sock_path, caplog):
+    """The script's own ``init()`` called twice (a helper that calls it again): the monitor goes
+    on as the first one started it, and the warning says so. It said that syncwatch-run had
+    started the instrumentation at the first model, in a script never run under syncwatch-run."""
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    import syncwatch.instrument as sw
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        first = sw.init(job="first", socket=sock_path, heartbeat_seconds=0, exchange_every=0)
+        with caplog.at_level(logging.WARNING, logger="syncwatch.instrument"):
+            again = sw.init(job="second", heartbeat_seconds=1)
+        sw.step(1)
+        sw.shutdown()
+    finally:
+        dist.destroy_process_group()
+    assert again is first
+    (warning,) = [r.getMessage() for r in caplog.records if "init()" in r.getMessage()]
+    assert "init() called again" in warning and "ignores job, heartbeat_seconds;" in warning
+    assert "syncwatch-run" not in warning and "shutdown() first" in warning
+    (rec,) = steps(rx, 1)
+    assert rec.identity.train_job == "first"
+
+
 def test_default_ddp_path_registers_no_comm_hook_and_waits_for_the_collectives(rx, ddp_world1):
     torch = ddp_world1
     import syncwatch.instrument as sw

@@ -83,20 +83,25 @@ def init(*, job: str | None = None, attempt: int | None = None, node: str | None
     always K). ``device``: "cpu" (monotonic clock) or "cuda" (CUDA events); default: cuda
     when the default group's backend is NCCL. Never raises.
     """
-    if _state.monitor is not None:  # zero-code mode started it: the script takes over
+    if _state.monitor is not None:  # zero-code mode started it, or the script's own init()
         auto = sys.modules.get("syncwatch.instrument.auto")
-        if auto is not None:
+        zero_code = auto is not None and auto.drives(_state.monitor)
+        if auto is not None:  # the script takes over
             auto.stand_down()
         given = [name for name, value in (
             ("job", job), ("attempt", attempt), ("node", node), ("exchange_every", exchange_every),
             ("exchange_seconds", exchange_seconds), ("heartbeat_seconds", heartbeat_seconds),
             ("socket", socket), ("udp", udp), ("device", device), ("sender", sender),
             ("clock", clock)) if value is not None]
-        if given:
+        if given and zero_code:
             log.warning("syncwatch: init() came after instrumentation started (syncwatch-run "
                         "starts it at the first model): it goes on as started, and ignores %s; "
                         "call init() before building the model, or give them to syncwatch-run "
                         "(its options, or SYNCWATCH_* variables)", ", ".join(given))
+        elif given:
+            log.warning("syncwatch: init() called again while the instrumentation runs: it "
+                        "goes on as started, and ignores %s; call shutdown() first to "
+                        "start anew", ", ".join(given))
         return _state.monitor
     try:
         return _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_seconds,

@@ -586,6 +586,11 @@ def _start(whole_world: bool):
     return _steps
 
 
+def drives(monitor) -> bool:
+    """Whether zero-code mode started ``monitor`` and drives its steps."""
+    return _steps is not None and _steps.m is monitor
+
+
 def stand_down() -> None:
     """The script instruments itself (``syncwatch.instrument.init()`` of its own, before or
     after building its model): zero-code mode stops for the rest of the process, so that each
