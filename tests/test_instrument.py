@@ -2215,6 +2215,39 @@ def test_a_second_init_while_running_says_it_is_ignored_without_blaming_syncwatc
     assert rec.identity.train_job == "first"
 
 
+@pytest.mark.parametrize("var, value", [
+    ("SYNCWATCH_HEARTBEAT", "-1"), ("SYNCWATCH_HEARTBEAT", "nan"), ("SYNCWATCH_HEARTBEAT", "0"),
+    ("SYNCWATCH_HEARTBEAT", "inf"), ("SYNCWATCH_HEARTBEAT", "x"), ("SYNCWATCH_SKEW_EVERY", "-3"),
+    ("SYNCWATCH_SKEW_SECONDS", "-5"), ("SYNCWATCH_SKEW_SECONDS", "nan"),
+    ("SYNCWATCH_DEVICE", "gpu"), ("SYNCWATCH_DEVICE", "cuda")])
+def test_a_bad_environment_value_is_said_once_and_its_default_taken(
+        rx, sock_path, caplog, monkeypatch, var, value):
+    """What ``syncwatch-run`` refuses before the command runs, set in the environment of a script
+    using the API: a heartbeat of -1, ``nan`` or 0 sent none (``inf`` none after the first) (the
+    daemon then has no phase or liveness of the rank), a negative K turned the exchange off, a
+    negative window time was taken as it came and a device that is neither cpu nor cuda read as
+    cpu, all without a word; ``cuda`` where CUDA is not available raised, and the rank trained
+    unmonitored. Each now gives one warning naming the variable, and its default."""
+    torch = pytest.importorskip("torch")
+    if value == "cuda" and torch.cuda.is_available():
+        pytest.skip("cuda is a good value here")
+    dist = torch.distributed
+    import syncwatch.instrument as sw
+    monkeypatch.setenv(var, value)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="syncwatch.instrument"):
+            m = sw.init(job="env", socket=sock_path)
+        assert m is not None
+        assert wait_for(lambda: rx.of(HeartbeatRecord))  # heartbeats on, every 5 s
+        assert (m.exchange_seconds, m.clock.lazy) == (30.0, False)
+    finally:
+        sw.shutdown()
+        dist.destroy_process_group()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and f"ignoring {var}={value!r}" in said[0], said
+
+
 def test_default_ddp_path_registers_no_comm_hook_and_waits_for_the_collectives(rx, ddp_world1):
     torch = ddp_world1
     import syncwatch.instrument as sw

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import sys
 import threading
@@ -39,6 +40,7 @@ log = logging.getLogger("syncwatch.instrument")
 
 DEFAULT_EXCHANGE_EVERY = 50
 DEFAULT_HEARTBEAT_SECONDS = 5.0
+DEVICES = ("cpu", "cuda")
 
 
 phase = _state.phases.__getitem__
@@ -58,15 +60,21 @@ step = _state.notes.step
 ``tokens``); ``step`` = the job's own step number (default: the previous one + 1)."""
 
 
-def _env_number(name: str, conv, default):
+def _env_number(name: str, conv, default, valid, expected: str):
+    """``$name`` as ``conv`` gives it, where ``valid`` takes it; else ``default``, with a warning
+    that names the variable. An out-of-range value was taken as it came: a heartbeat of -1 or
+    ``nan`` (or 0) sent none, a negative K turned the exchange off, without a word."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return conv(raw)
+        value = conv(raw)
     except ValueError:
-        log.warning("syncwatch: ignoring %s=%r (not a number)", name, raw)
-        return default
+        value = None
+    if value is not None and valid(value):
+        return value
+    log.warning("syncwatch: ignoring %s=%r (expected %s): using %g", name, raw, expected, default)
+    return default
 
 
 def init(*, job: str | None = None, attempt: int | None = None, node: str | None = None,
@@ -128,7 +136,18 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
     rank, world = dist.get_rank(), dist.get_world_size()
     if job is None and identity.job_from_env() is None:
         job = _shared_generated_job(dist)
-    device = device or os.environ.get("SYNCWATCH_DEVICE") or (
+    asked = "device='cuda'" if device else None
+    if device is None and os.environ.get("SYNCWATCH_DEVICE"):
+        device = os.environ["SYNCWATCH_DEVICE"]
+        asked = f"SYNCWATCH_DEVICE={device!r}"
+        if device not in DEVICES:
+            log.warning("syncwatch: ignoring %s (expected cpu or cuda)", asked)
+            device = None
+    if device == "cuda" and not torch.cuda.is_available():  # it raised: not started at all
+        log.warning("syncwatch: ignoring %s (CUDA is not available here): timing on the CPU "
+                    "clock", asked)
+        device = "cpu"
+    device = device or (
         "cuda" if "nccl" in str(dist.get_backend()) and torch.cuda.is_available() else "cpu")
     gpu, uuid = -1, ""
     if device == "cuda":
@@ -139,11 +158,15 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
     if clock is None:
         clock = CudaEventClock(device=gpu) if device == "cuda" else HostClock()
     if exchange_every is None:
-        exchange_every = _env_number("SYNCWATCH_SKEW_EVERY", int, DEFAULT_EXCHANGE_EVERY)
+        exchange_every = _env_number("SYNCWATCH_SKEW_EVERY", int, DEFAULT_EXCHANGE_EVERY,
+                                     lambda k: k >= 0, "0 (off) or a number of steps")
     if exchange_seconds is None:
-        exchange_seconds = _env_number("SYNCWATCH_SKEW_SECONDS", float, EXCHANGE_SECONDS)
+        exchange_seconds = _env_number("SYNCWATCH_SKEW_SECONDS", float, EXCHANGE_SECONDS,
+                                       lambda s: s >= 0, "0, a positive number or inf")
     if heartbeat_seconds is None:
-        heartbeat_seconds = _env_number("SYNCWATCH_HEARTBEAT", float, DEFAULT_HEARTBEAT_SECONDS)
+        heartbeat_seconds = _env_number("SYNCWATCH_HEARTBEAT", float, DEFAULT_HEARTBEAT_SECONDS,
+                                        lambda s: 0 < s < math.inf,
+                                        "a positive number of seconds")
     exchange = None
     if exchange_every > 0 and world > 1:
         group = dist.new_group(backend="gloo")
