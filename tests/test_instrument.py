@@ -1513,6 +1513,27 @@ def test_api_is_a_noop_without_torch_distributed():
     assert out.stdout.strip() == "ok", out.stderr
 
 
+@pytest.mark.parametrize("launched", [True, False])
+def test_init_before_init_process_group_in_a_launched_rank_says_so(monkeypatch, caplog, launched):
+    """``init()`` before ``init_process_group()`` in a rank that torchrun (or any env://
+    launcher: ``WORLD_SIZE``) started: the rank trained unmonitored without a word, the same
+    silence as a plain one-process run, where it stays a no-op quietly."""
+    torch = pytest.importorskip("torch")
+    import syncwatch.instrument as sw
+    assert not torch.distributed.is_initialized()
+    if launched:
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    else:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with caplog.at_level(logging.WARNING, logger="syncwatch.instrument"):
+        assert sw.init(job="early") is None and sw.current() is None
+    said = [r.getMessage() for r in caplog.records]
+    if launched:
+        assert len(said) == 1 and "init() before torch.distributed.init_process_group()" in said[0]
+    else:
+        assert said == []
+
+
 def test_syncwatch_run_environment_and_errors(tmp_path):
     parser = __import__("argparse").ArgumentParser()
     run_mod.add_arguments(parser)

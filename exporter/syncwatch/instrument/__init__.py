@@ -127,6 +127,9 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
     except ImportError:
         return None
     if not (dist.is_available() and dist.is_initialized()):
+        if os.environ.get("WORLD_SIZE"):  # a launcher started a rank: init() came too early
+            log.warning("syncwatch: init() before torch.distributed.init_process_group(): "
+                        "instrumentation not started; call init() after it")
         return None
     from . import hooks, identity
     from ..sender import Sender
