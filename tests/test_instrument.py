@@ -1496,6 +1496,25 @@ def test_the_end_record_says_how_the_process_ended(rx, ending, reason):
     assert (end.reason, end.last_step) == (reason, 1), out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("reason", ["crashed", None])
+def test_shutdown_with_a_reason_the_protocol_has_not_still_sends_the_end_record(rx, caplog,
+                                                                              reason):
+    """``shutdown("crashed")``: the protocol has three end reasons, and encoding another raised
+    inside shutdown, so no end record was sent at all (an internal error logged instead) and the
+    daemon took the rank for lost. The record goes as ``failed``, with a warning naming the
+    three."""
+    m = make_monitor(rx)
+    m.step(1)
+    with caplog.at_level(logging.WARNING, logger="syncwatch.instrument"):
+        m.shutdown(reason)
+    assert wait_for(lambda: rx.of(EndRecord))
+    (end,) = rx.of(EndRecord)
+    assert (end.reason, end.last_step) == ("failed", 1)
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert f"shutdown(reason={reason!r}) refused, sent as 'failed'" in said
+    assert "completed, failed, interrupted" in said
+
+
 def run_python(code: str) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter with the test environment; its output as text."""
     return subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True,

@@ -278,7 +278,8 @@ def _register_failed(what: str) -> None:
 
 
 def shutdown(reason: str = "completed") -> None:
-    """Send the end record and stop the threads (bounded: a few seconds at most). Never raises."""
+    """Send the end record and stop the threads (bounded: a few seconds at most). ``reason``:
+    completed, failed or interrupted (another is sent as failed, with a warning). Never raises."""
     m = _state.monitor
     if m is None:
         return

@@ -32,8 +32,8 @@ import statistics
 import threading
 import time
 
-from ..protocol import (MAX_ATTEMPT, MAX_STEP, MAX_TOTAL, PAUSES, PHASE_INDEX, Cumulative,
-                        Encoder, Identity)
+from ..protocol import (END_REASONS, MAX_ATTEMPT, MAX_STEP, MAX_TOTAL, PAUSES, PHASE_INDEX,
+                        Cumulative, Encoder, Identity)
 from ..skew import EXCHANGE_SECONDS, SkewAccumulator, window_size
 from .clock import HostClock
 from .notes import Notes
@@ -726,6 +726,10 @@ class Monitor:
             return
         self.closed = True
         self._notes.bind()  # phases and steps from now on note nothing
+        if reason not in END_REASONS:  # no end record could be encoded: the rank read as lost
+            log.warning("syncwatch: shutdown(reason=%.80r) refused, sent as 'failed': expected "
+                        "one of %s", reason, ", ".join(END_REASONS))
+            reason = "failed"
         try:
             end = time.monotonic() + timeout
             self._stop.release()
