@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -205,6 +206,50 @@ def test_stack_up_runs_both_until_interrupted(exporter, sig):
         for url in urls.values():
             with pytest.raises(OSError):
                 urllib.request.urlopen(url + "/-/ready", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.skipif(shutil.which("prometheus-alertmanager") is None and shutil.which("alertmanager") is None,
+                    reason="Alertmanager missing (Debian package: prometheus-alertmanager)")
+def test_stack_up_runs_the_given_alertmanager_config_as_it_is(tmp_path):
+    """--alertmanager-config was read with PyYAML and written back for Alertmanager: YAML 1.1 read
+    the time interval's ``end_time: 17:00`` (what Alertmanager's documentation writes) as the
+    sexagesimal 1020, and Alertmanager refused the copy ("couldn't parse timestamp 1020") of a
+    file amtool accepts; the copy also moved its relative template path off its directory."""
+    config = tmp_path / "alertmanager.yml"
+    config.write_text((ROOT / "deploy" / "alertmanager" / "alertmanager.yml").read_text() + """
+time_intervals:
+  - name: office-hours
+    time_intervals:
+      - times:
+          - start_time: 09:00
+            end_time: 17:00
+templates: ['templates/*.tmpl']
+""")
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "syncwatch.tmpl").write_text('{{ define "syncwatch.title" }}x{{ end }}\n')
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "syncwatch", "stack", "up", "--targets", "127.0.0.1:1",
+         "--prometheus-port", "0", "--alertmanager-port", "0", "--alertmanager-config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT)
+    try:
+        url = None
+        for line in proc.stdout:
+            m = re.match(r"alertmanager\s+(http://\S+)", line)
+            if m:
+                url = m[1]
+                break
+        if url is None:
+            proc.wait(20)
+            pytest.fail(proc.stderr.read())
+        loaded = json.loads(http_get(url + "/api/v2/status"))["config"]["original"]
+        assert 'end_time: "17:00"' in loaded, loaded
+        assert f"- {tmp_path}/templates/*.tmpl" in loaded, loaded
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -3,9 +3,10 @@
     with Prometheus(targets=["127.0.0.1:9477"], rule_files=[...]) as prom:
         wait_until(lambda: prom.query("up"), 30, what="a first scrape")
 
-Each server gets a generated config, a private temporary directory for its storage, and a free
-loopback port (Prometheus and Alertmanager cannot report a port-0 bind, so a free port is picked
-first and the start retried if another process takes it meanwhile). ``stop()`` terminates the
+Each server gets a generated config (Alertmanager given a file runs on that file where it lies),
+a private temporary directory for its storage, and a free loopback port (Prometheus and
+Alertmanager cannot report a port-0 bind, so a free port is picked first and the start retried
+if another process takes it meanwhile). ``stop()`` terminates the
 process and removes the directory. Queries go through the HTTP API with ``syncwatch.promapi``.
 
 ``syncwatch stack up`` runs both next to the demo or a real daemon until Ctrl-C.
@@ -125,12 +126,14 @@ _stopping = [False]
 
 class _Server:
     """A server process on a free loopback port with a work directory (``workdir``, created if
-    missing, or a private temporary one removed on ``stop()``) holding its YAML ``config``."""
+    missing, or a private temporary one removed on ``stop()``) holding its YAML ``config`` (a
+    dict; ``Alertmanager`` also runs a file where it lies)."""
 
     name = "server"
     ready_path = "/-/ready"
 
-    def __init__(self, binary: str, config: dict, workdir: str | None = None, log_to: str | None = None):
+    def __init__(self, binary: str, config: dict | Path, workdir: str | None = None,
+                 log_to: str | None = None):
         self.binary = binary
         self.config = config
         self._own_dir = workdir is None
@@ -303,16 +306,27 @@ class Prometheus(_Server):
 
 
 class Alertmanager(_Server):
-    """Alertmanager with ``config`` (a dict or a YAML file path), gossip off."""
+    """Alertmanager with ``config`` (a dict or a YAML file path), gossip off.
+
+    A file is run as it is, not copied: PyYAML reads the YAML 1.1 that Alertmanager's parser does
+    not (a time interval's ``end_time: 17:00`` is the sexagesimal 1020, which Alertmanager then
+    refused: "couldn't parse timestamp 1020"), and Alertmanager resolves a relative ``templates``
+    or ``*_file`` path against the directory of the file it is given."""
 
     name = "alertmanager"
 
     def __init__(self, config: dict | str | Path, *, binary: str | None = None,
                  workdir: str | None = None, log_to: str | None = None):
         if not isinstance(config, dict):
-            config = yaml.safe_load(Path(config).read_text())
+            config = Path(config).resolve(strict=True)  # missing: FileNotFoundError, naming it
         super().__init__(binary or find_binary(ALERTMANAGER_BINARIES, "prometheus-alertmanager"),
                          config, workdir, log_to)
+        if isinstance(config, Path):
+            self.config_path = config
+
+    def _write_config(self) -> None:
+        if isinstance(self.config, dict):
+            super()._write_config()
 
     def _args(self) -> list[str]:
         return [f"--config.file={self.config_path}", f"--storage.path={self.workdir / 'data'}",
