@@ -314,6 +314,21 @@ def test_grafana_has_no_default_admin_password():
     assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
 
 
+def test_documented_grafana_admin_change_leaves_a_login_form():
+    """docs/deploy.md told how to administer Grafana: remove the line that stops the admin
+    account's creation and give it a password. GF_AUTH_DISABLE_LOGIN_FORM stayed, which hides
+    Grafana's user name and password form, so the admin so made had nowhere to sign in."""
+    env = dict(load(ROOT / "docker-compose.yml")["services"]["grafana"]["environment"])
+    text = " ".join((ROOT / "docs" / "deploy.md").read_text().split())
+    advice = re.search(r"To administer it, remove (.*?) and set `GF_SECURITY_ADMIN_PASSWORD__FILE`",
+                       text)
+    assert advice, "docs/deploy.md says how to administer Grafana"
+    for name in re.findall(r"`(GF_\w+)`", advice.group(1)):
+        env.pop(name)
+    assert env.get("GF_SECURITY_DISABLE_INITIAL_ADMIN_CREATION") != "true", advice.group(0)
+    assert env.get("GF_AUTH_DISABLE_LOGIN_FORM") != "true", advice.group(0)
+
+
 def mounted_config(service: str, flag: str):
     """The repository file behind ``flag``'s container path in ``service`` of docker-compose.yml."""
     svc = load(ROOT / "docker-compose.yml")["services"][service]
