@@ -9,7 +9,7 @@ and again while another 448 ranks' state (512 in all) is scraped back to back.
 
 Then the instrumentation's own pattern: a rank's records thread sends the steps of the last
 0.2 s in one burst, so a rank with 0.2–1 ms steps sends bursts of 200–1000 records into the
-10-datagram Unix queue. 8 processes, each a ``Monitor`` with one phase per step, for 3 s; and
+11-datagram Unix queue. 8 processes, each a ``Monitor`` with one phase per step, for 3 s; and
 1.5 s of 50 ms steps, then 0.2 ms steps at once (a job's slow first steps, then fast ones).
 """
 

@@ -99,7 +99,7 @@ def test_fork_child_sends_and_parent_is_unaffected(sock_path):
 
 
 def test_eagain_burst_is_retried_and_delivered_after_reader_resumes(sock_path):
-    """With the daemon's reader stalled the socket queue (net.unix.max_dgram_qlen, 10 by default)
+    """With the daemon's reader stalled the socket queue (net.unix.max_dgram_qlen + 1, 11 by default)
     fills; the sender queues the rest and delivers it once the reader runs again."""
     with DaemonThread(config(sock_path)) as d:
         s = Sender(sock_path, retry_seconds=5.0)

@@ -13,7 +13,7 @@ non-blocking ``send`` on a connected socket (~0.4 us). What can go wrong, and wh
   rate-limit ICMP there; see docs/daemon.md for other interfaces). So a datagram is known delivered only once a later send on the
   same socket was not refused, and a refusal counts the datagram before it as dropped too;
 * the daemon's queue is full (EAGAIN; a Unix datagram socket queues only
-  ``net.unix.max_dgram_qlen`` datagrams, 10 by default): the record goes to a small retry queue
+  ``net.unix.max_dgram_qlen`` + 1 datagrams, 11 by default): the record goes to a small retry queue
   that a background thread drains with 1 ms pauses for up to ``retry_seconds``; while that queue
   is non-empty new records join it so they arrive in order. Only when it overflows or a record
   ages out is it dropped and counted;

@@ -2,8 +2,8 @@
 
 Each reader waits in ``poll`` and then drains its socket with non-blocking ``recv`` until it is
 empty, decoding and applying records as it goes. It never waits on a scrape: the render works on
-a snapshot copied under the state lock. The Unix socket queues only ``net.unix.max_dgram_qlen``
-datagrams (10 by default), so this loop must stay short; senders retry on EAGAIN (sender.py).
+a snapshot copied under the state lock. The Unix socket queues only ``net.unix.max_dgram_qlen`` + 1
+datagrams (11 by default), so this loop must stay short; senders retry on EAGAIN (sender.py).
 The UDP socket asks for a 4 MiB receive buffer (the kernel caps it at ``net.core.rmem_max``).
 """
 

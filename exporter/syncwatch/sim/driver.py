@@ -15,7 +15,7 @@ reports every step's slack; a crash (restart) loses the partial window, as a rea
 
 Clocks: ``fast=True`` runs on a virtual clock (no sleeping; wall times are ``start_wall`` + virtual
 seconds, so a fixed ``start_wall`` makes every record deterministic) and sends in strict order: a
-record that meets the Unix socket's full 10-datagram queue is retried by its sender's thread and
+record that meets the Unix socket's full 11-datagram queue is retried by its sender's thread and
 the driver waits for it to leave before the next record, so nothing is lost or reordered and the
 daemon's state is the same on every run. ``fast=False`` sleeps so each step takes its
 simulated time x ``time_scale`` and stamps records with the real wall clock (the demo).
