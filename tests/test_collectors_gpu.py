@@ -186,6 +186,42 @@ def test_xid_events_export_when_the_latest_of_each_arrived():
     assert reg.get_sample_value(stamp, labels(3, xid="79")) == 1_700_000_120.0
 
 
+def test_xids_of_the_other_gpus_are_read_while_one_is_lost(caplog):
+    """While a GPU in the event set is lost, nvmlEventSetWait_v2 answers GPU_IS_LOST, without
+    saying which GPU, and nothing more comes out of the set: every cycle failed (collector
+    success 0) and no other GPU's XID was counted, just when XIDs matter. The set is made anew
+    without the lost GPU; the XIDs already counted stay, and the GPU's own are read again once
+    it answers."""
+    fake = FakeNvml(healthy_node(8))
+    runner = CollectorRunner({"gpu": GpuCollector(nvml=fake)})
+    runner.run_once()
+    fake.xid(3, 48)
+    runner.run_once()
+    fake.gpus[3].error = N.NVML_ERROR_GPU_IS_LOST
+    with caplog.at_level(logging.WARNING, logger="syncwatch.collectors"):
+        runner.run_once()
+    assert f"XIDs of gpu 3 ({UUID3}) are not read" in caplog.text
+    xids = "syncwatch_gpu_xid_errors_total"
+    for _ in range(3):
+        fake.xid(0, 13)
+        fake.xid(5, 31)
+        runner.run_once()
+        v = registry_of(runner.collect()).get_sample_value
+        assert v("syncwatch_collector_success", {"collector": "gpu"}) == 1
+        assert v("syncwatch_gpu_up", labels(3)) == 0
+        assert v(xids, labels(3, xid="48")) == 1
+    assert v(xids, labels(0, xid="13")) == 3
+    assert v(xids, labels(5, xid="31")) == 3
+    fake.gpus[3].error = None  # back (a reset): registered again
+    runner.run_once()
+    fake.xid(3, 94)
+    runner.run_once()
+    v = registry_of(runner.collect()).get_sample_value
+    assert v("syncwatch_collector_success", {"collector": "gpu"}) == 1
+    assert v(xids, labels(3, xid="94")) == 1
+    assert v(xids, labels(3, xid="48")) == 1
+
+
 def test_gpus_renumbered_after_nvml_comes_back_keep_their_own_uuids():
     """GPU 3 falls off the bus and is gone when NVML is initialized again: the GPUs after it move
     down one index. Their values were exported under the UUIDs cached for the old indices, so GPU

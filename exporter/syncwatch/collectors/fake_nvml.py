@@ -61,7 +61,8 @@ class FakeNvml:
         self.initialized = 0
         self.calls = 0
         self._structs = [pynvml.struct_c_nvmlDevice_t() for _ in self.gpus]
-        self._events: list[tuple[int, int]] = []  # (gpu index, xid) pending
+        # event set (address of its struct) -> [the struct, GPU indices registered, (gpu, xid) pending]
+        self._sets: dict[int, tuple[object, set[int], list[tuple[int, int]]]] = {}
         self._hang: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
 
@@ -79,9 +80,11 @@ class FakeNvml:
         self._hang.clear()
 
     def xid(self, gpu: int, xid: int) -> None:
-        """Queue an XID critical-error event for ``gpu``."""
+        """Queue an XID critical-error event for ``gpu`` in every event set it is registered in."""
         with self._lock:
-            self._events.append((gpu, xid))
+            for _, registered, pending in self._sets.values():
+                if gpu in registered:
+                    pending.append((gpu, xid))
 
     # --- module attributes ----------------------------------------------------------------------
 
@@ -199,19 +202,36 @@ class FakeNvml:
     def nvmlDeviceGetPcieReplayCounter(self, handle):
         return self._enter("nvmlDeviceGetPcieReplayCounter", handle).pcie_replays
 
+    def _set(self, eventSet):
+        entry = self._sets.get(ctypes.addressof(eventSet.contents))
+        if entry is None:  # freed, or never created
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return entry
+
     def nvmlEventSetCreate(self):
         self._enter("nvmlEventSetCreate")
-        return pynvml.c_nvmlEventSet_t(pynvml.struct_c_nvmlEventSet_t())
+        struct = pynvml.struct_c_nvmlEventSet_t()
+        with self._lock:
+            self._sets[ctypes.addressof(struct)] = (struct, set(), [])
+        return pynvml.c_nvmlEventSet_t(struct)
 
     def nvmlDeviceRegisterEvents(self, handle, eventTypes, eventSet):
-        self._enter("nvmlDeviceRegisterEvents", handle)
+        self._enter("nvmlDeviceRegisterEvents", handle)  # GPU_IS_LOST for a lost GPU, as documented
+        with self._lock:
+            self._set(eventSet)[1].add(self._index(handle))
 
     def nvmlEventSetWait_v2(self, eventSet, timeoutms):
+        """Events of the GPUs registered in ``eventSet``. While one of them is lost, every wait
+        answers GPU_IS_LOST (NVML documents that code for the wait, not which GPU it is about),
+        before any pending event: nothing more comes out of that set."""
         self._enter("nvmlEventSetWait_v2")
         with self._lock:
-            if not self._events:
+            _, registered, pending = self._set(eventSet)
+            if any(self.gpus[i].error == pynvml.NVML_ERROR_GPU_IS_LOST for i in registered):
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+            if not pending:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
-            index, xid = self._events.pop(0)
+            index, xid = pending.pop(0)
         data = pynvml.c_nvmlEventData_t()
         data.device = pynvml.c_nvmlDevice_t(self._structs[index])
         data.eventType = pynvml.nvmlEventTypeXidCriticalError
@@ -220,3 +240,6 @@ class FakeNvml:
 
     def nvmlEventSetFree(self, eventSet):
         self._enter("nvmlEventSetFree")
+        with self._lock:
+            self._set(eventSet)
+            del self._sets[ctypes.addressof(eventSet.contents)]

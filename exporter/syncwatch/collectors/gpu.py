@@ -23,6 +23,10 @@ Failure semantics:
   within one collector interval. The alerts use that time, not the counter: a counter restarts
   at 0 with the daemon and its series only appears at the first XID, so ``increase()`` missed
   an XID soon after Prometheus first scraped a daemon, and one that recurred after a restart.
+  While a GPU in the event set is lost, NVML answers every wait with ``GPU_IS_LOST`` and gives no
+  event of any GPU: the set is then made anew without the GPUs that are down (a warning names
+  them), the other GPUs' XIDs are read on, those already counted stay exported, and a GPU that
+  answers again is registered again.
 
 A call that hangs inside the driver is handled by the runner (one worker, per-call timeout).
 """
@@ -95,6 +99,7 @@ class GpuCollector:
         self._xids: Counter[tuple[int, str, int]] = Counter()  # (index, uuid, xid) -> events
         self._xid_last: dict[tuple[int, str, int], float] = {}  # ... -> wall time of the latest
         self._down_gpus: set[int] = set()
+        self._xid_unwatched: set[int] = set()  # down GPUs left out of the event set, until they answer
         self._throttle_reasons_call = False  # the driver predates nvmlDeviceGetCurrentClocksEventReasons
         nv = nvml
         self._down = {nv.NVML_ERROR_GPU_IS_LOST, nv.NVML_ERROR_RESET_REQUIRED, nv.NVML_ERROR_TIMEOUT}
@@ -131,15 +136,25 @@ class GpuCollector:
         self._events = None
         try:
             events = nv.nvmlEventSetCreate()
-            for i in range(nv.nvmlDeviceGetCount()):
-                try:
-                    nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(i),
-                                                nv.nvmlEventTypeXidCriticalError, events)
-                except nv.NVMLError:
-                    pass  # XIDs unsupported or GPU already gone: its XIDs are not counted
+            self._register_xids(events, range(nv.nvmlDeviceGetCount()))
             self._events = events
         except nv.NVMLError:
             self._events = None
+
+    def _register_xids(self, events, indices) -> None:
+        """Register each GPU of ``indices`` for XID events in ``events``. One that is down (lost,
+        needing a reset) is kept in ``_xid_unwatched`` and registered again once it answers; one
+        whose XIDs are unsupported is not counted."""
+        nv = self.nvml
+        for i in indices:
+            try:
+                nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(i),
+                                            nv.nvmlEventTypeXidCriticalError, events)
+            except nv.NVMLError as e:
+                if e.value in self._down:
+                    self._xid_unwatched.add(i)
+                    continue
+            self._xid_unwatched.discard(i)
 
     def close(self) -> None:
         if not self._ready:
@@ -151,6 +166,7 @@ class GpuCollector:
         # UUID, the lost GPU's included.
         self._uuids.clear()
         self._down_gpus.clear()
+        self._xid_unwatched.clear()
         try:
             if self._events is not None:
                 nv.nvmlEventSetFree(self._events)
@@ -225,7 +241,9 @@ class GpuCollector:
             if values.get("replays") is not None:
                 replays.add_metric(labels, values["replays"])
 
-        self._drain_xids(errors)
+        if self._events is not None and self._xid_unwatched - self._down_gpus:
+            self._register_xids(self._events, sorted(self._xid_unwatched - self._down_gpus))
+        self._drain_xids(count, errors)
         xids = CounterMetricFamily("syncwatch_gpu_xid_errors", "XID critical errors reported by the driver.",
                                    labels=[*gu, "xid"])
         xid_last = GaugeMetricFamily("syncwatch_gpu_xid_last_event_timestamp_seconds",
@@ -310,17 +328,28 @@ class GpuCollector:
         member = self._value_members.get(fv.valueType)
         return None if member is None else getattr(fv.value, member, None)
 
-    def _drain_xids(self, errors: list[str]) -> None:
+    def _drain_xids(self, count: int, errors: list[str]) -> None:
         """Count pending XID events and note when each arrived, without waiting (timeout 0 answers
-        NVML_ERROR_TIMEOUT when empty)."""
+        NVML_ERROR_TIMEOUT when empty).
+
+        While a GPU registered in the event set is lost, every wait answers GPU_IS_LOST, without
+        saying which GPU, and no event of any GPU comes out of that set: every cycle failed and
+        the other GPUs' XIDs went unread. The set is then made anew without the GPUs that are
+        down (those this cycle found down, and those NVML refuses to register)."""
         nv = self.nvml
         if self._events is None:
             return
+        remade = False
         for _ in range(MAX_EVENTS_PER_CYCLE):
             try:
                 data = nv.nvmlEventSetWait_v2(self._events, 0)
             except nv.NVMLError as e:
-                if e.value != nv.NVML_ERROR_TIMEOUT:
+                if e.value == nv.NVML_ERROR_GPU_IS_LOST and not remade:
+                    remade = True
+                    self._remake_events(count, errors)
+                    if self._events is not None:
+                        continue
+                elif e.value != nv.NVML_ERROR_TIMEOUT:
                     errors.append(f"xid events: {e}")
                 return
             if data.eventType != nv.nvmlEventTypeXidCriticalError:
@@ -332,6 +361,26 @@ class GpuCollector:
             key = (index, self._uuids.get(index, ""), int(data.eventData))
             self._xids[key] += 1
             self._xid_last[key] = self.wall_clock()
+
+    def _remake_events(self, count: int, errors: list[str]) -> None:
+        nv = self.nvml
+        try:
+            nv.nvmlEventSetFree(self._events)
+        except nv.NVMLError:
+            pass
+        self._events = None
+        self._xid_unwatched |= self._down_gpus
+        try:
+            events = nv.nvmlEventSetCreate()
+            self._register_xids(events, [i for i in range(count) if i not in self._down_gpus])
+        except nv.NVMLError as e:
+            errors.append(f"xid events: a GPU is lost and the event set could not be made anew: {e}")
+            return
+        self._events = events
+        if self._xid_unwatched:
+            log.warning("xid events: a GPU is lost (nvmlEventSetWait_v2 answers GPU_IS_LOST); the XIDs "
+                        "of gpu %s are not read until it answers again, those of the other GPUs are",
+                        ", ".join(f"{i} ({self._uuids.get(i, '?')})" for i in sorted(self._xid_unwatched)))
 
 
 def _raise(e: Exception):
