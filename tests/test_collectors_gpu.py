@@ -353,6 +353,30 @@ def test_init_failure_other_than_absent_is_an_error(caplog):
     assert "Insufficient Permissions" in caplog.text
 
 
+def test_nvml_library_too_old_for_the_init_call_is_an_error(caplog):
+    """FUNCTION_NOT_FOUND from nvmlInit: the NVML library is there but lacks the init call
+    (nvmlInitWithFlags), a driver too old. It counted as "NVML absent": collector success 1, not
+    a word in the log, as on a CPU node. NVML's documented init codes for absence are
+    LIBRARY_NOT_FOUND and DRIVER_NOT_LOADED."""
+    clock = Clock()
+    fake = FakeNvml(init_error=N.NVML_ERROR_FUNCTION_NOT_FOUND)
+    runner = CollectorRunner({"gpu": GpuCollector(nvml=fake, clock=clock)}, clock=clock)
+    with caplog.at_level(logging.ERROR, logger="syncwatch.collectors"):
+        runner.run_once()
+        clock.t += 5
+        runner.run_once()  # inside the backoff: still failing, not quietly absent
+    reg = registry_of(runner.collect())
+    assert reg.get_sample_value("syncwatch_collector_success", {"collector": "gpu"}) == 0
+    assert "nvmlInit failed: Function Not Found" in caplog.text
+    assert "driver older than" in caplog.text
+    fake.init_error = None
+    clock.t += 10
+    runner.run_once()
+    reg = registry_of(runner.collect())
+    assert reg.get_sample_value("syncwatch_collector_success", {"collector": "gpu"}) == 1
+    assert reg.get_sample_value("syncwatch_gpu_up", labels(0)) == 1
+
+
 def test_nvml_failing_after_init_reinitializes():
     clock = Clock()
     fake = FakeNvml()

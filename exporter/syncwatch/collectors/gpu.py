@@ -5,8 +5,10 @@ demos), so everything here is exercised on machines without a GPU.
 
 Failure semantics:
 
-* NVML absent (no library, no driver): ``NoData``, quietly; other init failures are errors. Either
-  way initialization is retried with exponential backoff (10 s doubling to 5 min).
+* NVML absent (no library, no driver: ``LIBRARY_NOT_FOUND``, ``DRIVER_NOT_LOADED``): ``NoData``,
+  quietly; other init failures are errors, ``FUNCTION_NOT_FOUND`` included (a library too old
+  for the init call: a driver to upgrade, not a node without GPUs). Either way initialization is
+  retried with exponential backoff (10 s doubling to 5 min).
 * A GPU that is lost (``GPU_IS_LOST``), needs a reset (``RESET_REQUIRED``) or times out
   (``TIMEOUT``) reports ``syncwatch_gpu_up 0`` and none of its values (withdrawn, not frozen);
   the other GPUs keep reporting.
@@ -103,8 +105,9 @@ class GpuCollector:
         self._throttle_reasons_call = False  # the driver predates nvmlDeviceGetCurrentClocksEventReasons
         nv = nvml
         self._down = {nv.NVML_ERROR_GPU_IS_LOST, nv.NVML_ERROR_RESET_REQUIRED, nv.NVML_ERROR_TIMEOUT}
-        self._absent = {nv.NVML_ERROR_LIBRARY_NOT_FOUND, nv.NVML_ERROR_DRIVER_NOT_LOADED,
-                        nv.NVML_ERROR_FUNCTION_NOT_FOUND}
+        # FUNCTION_NOT_FOUND from nvmlInit is no absence: the library is there, too old for the
+        # init call (a driver an operator must see), and counted as absent it was silent, success 1
+        self._absent = {nv.NVML_ERROR_LIBRARY_NOT_FOUND, nv.NVML_ERROR_DRIVER_NOT_LOADED}
         self._reasons = [(label, getattr(nv, const)) for label, const in THROTTLE_REASONS]
         self._thermal = nv.nvmlClocksEventReasonSwThermalSlowdown | nv.nvmlClocksEventReasonHwThermalSlowdown
         self._value_members = {getattr(nv, name): member for name, member in VALUE_MEMBERS
@@ -126,10 +129,15 @@ class GpuCollector:
         except nv.NVMLError as e:
             self._retry_at = now + self._backoff
             self._backoff = min(self._backoff * 2, self._backoff_max)
-            self._init_failure = NoData(f"NVML absent: {e}") if e.value in self._absent else e
-            if isinstance(self._init_failure, NoData):
+            if e.value in self._absent:
+                self._init_failure = NoData(f"NVML absent: {e}")
                 raise self._init_failure from None
-            raise RuntimeError(f"nvmlInit failed: {e}") from None
+            reason = str(e)
+            if e.value == nv.NVML_ERROR_FUNCTION_NOT_FOUND:
+                reason += (": the node's NVML library (libnvidia-ml, from the driver) lacks the init "
+                           "call nvidia-ml-py makes: a driver older than this nvidia-ml-py supports")
+            self._init_failure = RuntimeError(reason)
+            raise RuntimeError(f"nvmlInit failed: {reason}") from None
         self._ready = True
         self._backoff = self._backoff_min
         self._init_failure = None
