@@ -140,6 +140,9 @@ def test_link_flapping():
     assert v("syncwatch_ib_symbol_errors_total", ib) == 65_535
     assert v("syncwatch_ib_link_integrity_errors_total", ib) == 15  # saturated: a 4-bit field
     assert v("syncwatch_ib_port_rcv_errors_total", ib) == 4_410
+    # DOWN: its rate file reads the kernel's SDR default, "10 Gb/sec (4X SDR)", not a link's rate
+    assert v("syncwatch_ib_port_rate_bytes", ib) is None
+    assert v("syncwatch_ib_port_rate_bytes", {"device": "mlx5_1", "port": "1"}) == 25e9
 
 
 def test_missing_counters_drop_only_their_series():

@@ -2,7 +2,10 @@
 
 ``counters/`` holds the IB port counters (both link layers; ``port_xmit_data``/``port_rcv_data``
 count 4-byte words, hence ×4). ``hw_counters/`` holds the mlx5 RoCE congestion-control counters.
-A port without a performance-management agent reads ``N/A (no PMA)``: quietly absent.
+A port without a performance-management agent reads ``N/A (no PMA)``: quietly absent. A port
+whose state is DOWN has no rate series: its link trained no speed, and the kernel's ``rate`` then
+shows SDR, the default it prints for an invalid speed (e.g. ``10 Gb/sec (4X SDR)``), as the net
+collector drops the speed of a down link.
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ class InfinibandCollector:
                 state = value(os.path.join(base, "state"), read_text)  # "4: ACTIVE"
                 if state is not None:
                     up.add_metric(labels, 1 if state.endswith("ACTIVE") else 0)
+                if state is not None and state.endswith("DOWN"):
+                    continue  # no link, no rate: the kernel's rate reads SDR, its default
                 text = value(os.path.join(base, "rate"), read_text)
                 if text is not None:
                     try:
