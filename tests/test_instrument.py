@@ -2288,6 +2288,30 @@ def test_a_bad_environment_value_is_said_once_and_its_default_taken(
     assert len(said) == 1 and f"ignoring {var}={value!r}" in said[0], said
 
 
+@pytest.mark.parametrize("device", ["gpu", "CUDA", ""])
+def test_a_bad_device_argument_is_said_once_and_the_default_taken(
+        rx, sock_path, caplog, monkeypatch, device):
+    """``init(device='gpu')`` read as cpu without a word, where ``SYNCWATCH_DEVICE=gpu`` warned:
+    the argument now gets the variable's treatment, one warning naming it, and the default (the
+    CPU clock on a gloo group), the variable not consulted in its place."""
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    import syncwatch.instrument as sw
+    monkeypatch.delenv("SYNCWATCH_DEVICE", raising=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="syncwatch.instrument"):
+            m = sw.init(job="dev", socket=sock_path, device=device)
+        assert m is not None and isinstance(m.clock, HostClock)
+        m.step(samples=4)
+        assert steps(rx, 1)[-1].identity.gpu == -1
+    finally:
+        sw.shutdown()
+        dist.destroy_process_group()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == [f"syncwatch: ignoring device={device!r} (expected cpu or cuda)"], said
+
+
 def test_default_ddp_path_registers_no_comm_hook_and_waits_for_the_collectives(rx, ddp_world1):
     torch = ddp_world1
     import syncwatch.instrument as sw

@@ -89,7 +89,8 @@ def init(*, job: str | None = None, attempt: int | None = None, node: str | None
     or 50; 0 = off). ``exchange_seconds``: where K steps take longer, the windows after the
     first are as many steps as take this long (default ``$SYNCWATCH_SKEW_SECONDS`` or 30; 0 =
     always K). ``device``: "cpu" (monotonic clock) or "cuda" (CUDA events); default: cuda
-    when the default group's backend is NCCL. Never raises.
+    when the default group's backend is NCCL (another value is ignored, with a warning). Never
+    raises.
     """
     if _state.monitor is not None:  # zero-code mode started it, or the script's own init()
         auto = sys.modules.get("syncwatch.instrument.auto")
@@ -139,13 +140,13 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
     rank, world = dist.get_rank(), dist.get_world_size()
     if job is None and identity.job_from_env() is None:
         job = _shared_generated_job(dist)
-    asked = "device='cuda'" if device else None
+    asked = f"device={device!r}"
     if device is None and os.environ.get("SYNCWATCH_DEVICE"):
         device = os.environ["SYNCWATCH_DEVICE"]
         asked = f"SYNCWATCH_DEVICE={device!r}"
-        if device not in DEVICES:
-            log.warning("syncwatch: ignoring %s (expected cpu or cuda)", asked)
-            device = None
+    if device is not None and device not in DEVICES:  # 'gpu' read as cpu, without a word
+        log.warning("syncwatch: ignoring %s (expected cpu or cuda)", asked)
+        device = None
     if device == "cuda" and not torch.cuda.is_available():  # it raised: not started at all
         log.warning("syncwatch: ignoring %s (CUDA is not available here): timing on the CPU "
                     "clock", asked)
