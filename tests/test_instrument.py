@@ -255,6 +255,36 @@ def test_bad_step_arguments_are_refused_without_losing_a_step_or_later_records(r
     m.shutdown()
 
 
+@needs_torch
+def test_strings_and_bools_are_no_numbers_to_step(rx, caplog):
+    """``float()`` parses "3" and takes True for 1, and ``int()`` likewise: ``samples="3"``
+    counted 3 samples, ``samples=True`` one, and ``step=True`` numbered the step 1 (a number
+    going back: a new attempt, a counted restart). The docs take numbers and one-element
+    tensors: these are refused like the other bad arguments (counted, logged once per
+    argument), and numpy scalars and tensors still count."""
+    import numpy as np
+    import torch
+    m = make_monitor(rx)
+    m.step(samples=2, step=5)
+    m.step(samples=True, tokens="3")
+    m.step(samples="3", tokens=b"5", step="7")
+    m.step(samples=1, step=True)
+    m.step(samples=np.int64(4), tokens=np.float32(1.5), step=np.int64(9))
+    m.step(samples=torch.tensor(6), step=torch.tensor(10))
+    recs = steps(rx, 6)
+    assert rx.rejected == []
+    assert [(r.step, r.identity.attempt) for r in recs] == [
+        (5, 0), (6, 0), (7, 0), (8, 0), (9, 0), (10, 0)]
+    assert [r.samples for r in recs] == [2, 0, 0, 1, 4, 6]
+    assert [r.tokens for r in recs] == [0, 0, 0, 0, 1.5, 0]
+    assert recs[-1].totals.internal_errors == 6
+    warned = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert [w.split(")")[0] for w in warned] == [
+        "syncwatch: step(samples=True", "syncwatch: step(tokens='3'",
+        "syncwatch: step(step='7'"], warned
+    m.shutdown()
+
+
 def test_step_number_going_backwards_starts_a_new_attempt(rx):
     m = make_monitor(rx)
     for s in (1, 2, 3, 2, 3):

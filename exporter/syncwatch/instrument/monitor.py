@@ -73,6 +73,13 @@ STEP, READY, DONE, COLL, COLL_END, SEQ, SYNCED, ENDED, LOADED = 16, 17, 18, 19, 
 _SEQ_ENTRY = (SEQ,)
 
 
+def _number(value) -> bool:
+    """Whether ``step()``'s argument is a number (an int, a float, a numpy scalar, a tensor):
+    ``float()`` also parses a string ("3") and takes True for 1, and ``int()`` likewise, so
+    ``samples=True`` counted a sample and ``step=True`` numbered the step 1."""
+    return not isinstance(value, bool) and hasattr(type(value), "__float__")
+
+
 class Monitor:
     def __init__(self, identity: Identity, sender, *, clock=None, exchange=None,
                  exchange_every: int = 50, exchange_seconds: float = EXCHANGE_SECONDS,
@@ -641,7 +648,7 @@ class Monitor:
         ``clock.amount``). Anything else — not a number, not finite, negative, beyond
         ``MAX_PER_STEP`` — is refused: the step still counts, with 0 of it."""
         try:
-            x = self.clock.amount(value)
+            x = self.clock.amount(value) if _number(value) else -1.0
         except Exception:
             x = -1.0
         if 0.0 <= x <= MAX_PER_STEP:
@@ -656,7 +663,8 @@ class Monitor:
             return self.last_step + 1
         try:
             n = int(value)
-            whole = bool(n == value)  # 7.0 and a one-element tensor are, 7.5 and "7" are not
+            # 7.0 and a one-element tensor are, 7.5, "7" and True are not
+            whole = _number(value) and bool(n == value)
         except Exception:
             n, whole = -1, False
         if whole and 0 <= n <= MAX_STEP:
