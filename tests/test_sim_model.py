@@ -236,6 +236,15 @@ def test_parameters_that_give_infinite_or_nan_times_name_their_field(bad, field)
         Params(**bad)
 
 
+@pytest.mark.parametrize("rank", [-5, -2, 8])
+def test_a_straggler_rank_outside_the_world_is_refused(rank):
+    """-5 (a typo for 5) was taken as "no straggler" without a word: the run had none."""
+    with pytest.raises(ValueError, match=f"^straggler_rank must be -1 \\(none\\) or a rank from "
+                                         f"0 to 7 \\(world size 8\\), not {rank}$"):
+        Params(nodes=2, ranks_per_node=4, straggler_rank=rank, straggler_slowdown=0.1)
+    assert Params(nodes=2, ranks_per_node=4, straggler_rank=-1).straggler_rank == -1
+
+
 @pytest.mark.parametrize("fail_after", [(130, 130), (0,), (50, 0), (-5,)])
 def test_fail_after_refuses_repeated_and_non_positive_counts(fail_after):
     """(130, 130) gave a second restart with nothing re-run (the new attempt failed before its

@@ -112,8 +112,10 @@ class Params:
             raise ValueError(f"fail_after must be distinct step counts >= 1, not {self.fail_after}")
         if self.fail_after and not self.checkpoint_every:
             raise ValueError("restarts need checkpoint_every > 0 to resume from")
-        if self.straggler_rank >= self.world_size:
-            raise ValueError(f"straggler_rank {self.straggler_rank} >= world size {self.world_size}")
+        if not -1 <= self.straggler_rank < self.world_size:
+            raise ValueError(f"straggler_rank must be -1 (none) or a rank from 0 to "
+                             f"{self.world_size - 1} (world size {self.world_size}), not "
+                             f"{self.straggler_rank}")
 
     @property
     def world_size(self) -> int:
