@@ -142,6 +142,19 @@ def test_demo_refuses_bad_arguments_before_starting_anything(flags, capsys):
     assert "syncwatch demo:" in capsys.readouterr().err
 
 
+def test_demo_refuses_a_step_time_beyond_the_protocols_limit(capsys):
+    """--step-time 5e5 ran a demo whose steps reach 1.5e6 s (a capped stall in a congestion
+    episode), beyond the 1e6 s the daemons take: each such record rejected, the truth counting
+    it. It is refused before anything starts, with the limit and the most it allows."""
+    from syncwatch import cli
+    assert cli.main(["demo", "--base-port", "0", "--no-hardware", "--duration", "1",
+                     "--step-time", "5e5"]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("syncwatch demo: --step-time 500000: compute_seconds must keep steps "
+                          "within the protocol's 1e+06-second limit on a duration") and not out
+    assert "at most 3.206e+05 does" in err
+
+
 @pytest.mark.parametrize("ranks", ["0", "-3"])
 def test_demo_scaling_refuses_a_bad_ranks_per_node(ranks, capsys):
     """The scaling sweep returned before the flags were checked: --ranks-per-node 0 was a

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from syncwatch.protocol import Decoder, EndRecord, HeartbeatRecord, StepRecord
+from syncwatch.protocol import MAX_SECONDS, Decoder, EndRecord, HeartbeatRecord, StepRecord
 from syncwatch.sim.driver import Driver
 from syncwatch.sim.scenarios import ScenarioThread, run_scenario, scenario_params, straggler_rank
 
@@ -114,6 +114,22 @@ def test_fast_run_delivers_every_record_and_exact_totals(receivers):
     wire = [rec for rec in steps if rec.step == st.step]
     assert sorted(rec.wait_seconds for rec in wire) == sorted(st.waits)
     assert {rec.step_seconds for rec in wire} == {st.step_seconds}
+
+
+def test_the_longest_compute_accepted_gives_records_the_daemons_take(receivers):
+    """compute_seconds=9e5 ran, and every step record and the heartbeats late in a step were
+    rejected by the decoder (bad_value: step_seconds 1035704.59 is not within 0..1e+06) while
+    the truth counted them; it is refused now, and the longest accepted one decodes whole."""
+    with pytest.raises(ValueError, match="protocol.MAX_SECONDS"):
+        run_scenario("healthy", nodes=1, ranks_per_node=2, params={"compute_seconds": 9e5})
+    most = 0.999 * MAX_SECONDS / scenario_params("healthy", 1, 2).longest_step_seconds
+    rx = receivers(1)
+    truth = run_scenario("healthy", nodes=1, ranks_per_node=2, steps=3, sockets=[rx[0].path],
+                         start_wall=START, heartbeat_every=1e5, params={"compute_seconds": most})
+    rx[0].wait_for(truth.records_sent)
+    assert rx[0].errors == []
+    assert len(by_kind(rx, StepRecord)) == truth.step_records == 6
+    assert len(by_kind(rx, HeartbeatRecord)) == truth.heartbeat_records > 0
 
 
 @pytest.mark.parametrize("seconds,expected", [(0.0, [50, 100, 120]),

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from syncwatch.protocol import PHASES
+from syncwatch.protocol import MAX_SECONDS, PHASES
 from syncwatch.sim.model import (PAPER_CV, Model, Params, Restart, StepTruth, format_sweep,
                                  lag1_autocorrelation, scaling_sweep, step_cv)
 from syncwatch.sim.scenarios import SCENARIOS, run_scenario, scenario_params, straggler_rank
@@ -243,6 +243,31 @@ def test_a_straggler_rank_outside_the_world_is_refused(rank):
                                          f"0 to 7 \\(world size 8\\), not {rank}$"):
         Params(nodes=2, ranks_per_node=4, straggler_rank=rank, straggler_slowdown=0.1)
     assert Params(nodes=2, ranks_per_node=4, straggler_rank=-1).straggler_rank == -1
+
+
+@pytest.mark.parametrize("bad", [dict(compute_seconds=9e5), dict(compute_seconds=5e5),
+                                 dict(checkpoint_every=10, checkpoint_seconds=2e6)])
+def test_steps_beyond_the_protocols_duration_limit_are_refused(bad):
+    """compute_seconds=9e5 (the demo's --step-time 9e5) gave steps of 1.04e6 s, and 5e5 can give
+    1.5e6 s with a capped stall in a congestion episode: each daemon rejected those step records
+    and the heartbeats in them (bad_value: beyond 1e6 s) while the truth counted them."""
+    with pytest.raises(ValueError, match=r"^compute_seconds must keep steps within the "
+                                         r"protocol's 1e\+06-second limit on a duration"):
+        Params(**bad)
+
+
+def test_the_longest_step_bounds_every_step_the_model_gives():
+    """Every effect at once, compute_seconds just inside the limit: no step, phase or wait passes
+    it (``random.gauss`` never draws beyond ``GAUSS_MAX`` sigmas, a stall stops at its cap)."""
+    p = Params(nodes=2, ranks_per_node=4, jitter=0.02, stall_probability=0.5, stall_seconds=0.5,
+               oscillation=0.5, thermal_amplitude=-0.5, thermal_period_steps=7, straggler_rank=3,
+               straggler_slowdown=1.0, checkpoint_every=2, checkpoint_seconds=0.5, eval_every=3,
+               eval_seconds=0.5, congestion_rate=0.1, congestion_every=5,
+               scheduled_congestion_factor=10.0)
+    p = p.with_(compute_seconds=0.999 * MAX_SECONDS / p.longest_step_seconds)
+    steps = steps_of(p, 3000)
+    assert max(s.step_seconds for s in steps) <= p.longest_step_seconds <= MAX_SECONDS
+    assert max(s.step_seconds for s in steps) > 0.8 * MAX_SECONDS  # nor far beyond the longest
 
 
 @pytest.mark.parametrize("fail_after", [(130, 130), (0,), (50, 0), (-5,)])

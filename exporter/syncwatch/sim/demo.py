@@ -35,7 +35,7 @@ from ..cli import add_flag, plain
 from ..protocol import LABEL_RE
 from .driver import MAX_RANKS_PER_NODE, GroundTruth, node_name
 from .model import ABLATIONS, Params, format_sweep, scaling_sweep
-from .scenarios import SCENARIOS, ScenarioThread
+from .scenarios import SCENARIOS, ScenarioThread, scenario_params
 
 NODE_PREFIX = "sim-node-"
 
@@ -155,6 +155,12 @@ def main(args) -> int:
     if args.nodes < 1 or not 0 < args.step_time < math.inf:
         print("syncwatch demo: --nodes and --step-time must be positive (and finite)",
               file=sys.stderr)
+        return 2
+    try:  # a step time the protocol refuses: every step record rejected, the truth counting it
+        scenario_params(args.scenario, args.nodes, args.ranks_per_node,
+                        compute_seconds=args.step_time)
+    except ValueError as e:
+        print(f"syncwatch demo: --step-time {args.step_time:g}: {e}", file=sys.stderr)
         return 2
     if not (0 <= args.duration < math.inf and 0 < args.summary_every < math.inf):
         print("syncwatch demo: --duration must be >= 0 and --summary-every positive (finite)",

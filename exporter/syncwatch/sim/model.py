@@ -27,8 +27,11 @@ import math
 import random
 from dataclasses import dataclass, replace
 
-from ..protocol import PHASES
+from ..protocol import MAX_SECONDS, PHASES
 
+# the most standard deviations random.gauss() can draw: its radius is sqrt(-2 ln(1 - random())),
+# and 1 - random() is at least 2**-53
+GAUSS_MAX = math.sqrt(-2.0 * math.log(2.0 ** -53))
 COMPUTE_PHASES = ("data", "forward", "backward", "optimizer")
 I_DATA, I_SYNC, I_CKPT, I_EVAL = (PHASES.index(name)
                                   for name in ("data", "sync", "checkpoint", "eval"))
@@ -116,10 +119,41 @@ class Params:
             raise ValueError(f"straggler_rank must be -1 (none) or a rank from 0 to "
                              f"{self.world_size - 1} (world size {self.world_size}), not "
                              f"{self.straggler_rank}")
+        # a longer step (or phase, or wait) makes every daemon reject the record (bad_value)
+        # while the truth counts it
+        longest = self.longest_step_seconds
+        if not longest <= MAX_SECONDS:
+            most = MAX_SECONDS * self.compute_seconds / longest
+            raise ValueError(f"compute_seconds must keep steps within the protocol's "
+                             f"{MAX_SECONDS:g}-second limit on a duration (protocol.MAX_SECONDS; "
+                             f"the daemons reject longer ones): {self.compute_seconds:g} gives "
+                             f"steps of up to {longest:.4g} s with these parameters, at most "
+                             f"{most:.4g} does")
+
+    @property
+    def longest_step_seconds(self) -> float:
+        """The longest step these parameters can give: every compute factor at its largest
+        (``random.gauss`` draws at most ``GAUSS_MAX`` sigmas), a stall at its cap, a checkpoint
+        and an evaluation, the collective in the largest congestion factor."""
+        compute = ((1 + abs(self.oscillation)) * (1 + abs(self.thermal_amplitude))
+                   * max(0.5, 1 + self.jitter * GAUSS_MAX))
+        if self.straggler_rank >= 0:
+            compute *= max(1.0, 1 + self.straggler_slowdown)
+        stall = self.stall_cap if self.stall_probability else 0.0
+        pauses = ((self.checkpoint_seconds if self.checkpoint_every else 0.0)
+                  + (self.eval_seconds if self.eval_every else 0.0))
+        congestion = max(1.0, self.congestion_factor if self.congestion_probability() else 1.0,
+                         self.scheduled_congestion_factor if self.congestion_every else 1.0)
+        return self.compute_seconds * (
+            compute + stall + pauses + self.collective_seconds * congestion)
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    def congestion_probability(self) -> float:
+        """The chance per step of a random congestion episode: rate x nodes², capped."""
+        return min(self.congestion_max, self.congestion_rate * self.nodes ** 2)
 
     def with_(self, **changes) -> "Params":
         return replace(self, **changes)
@@ -193,7 +227,7 @@ class Model:
         self._node_phase = [self.rng.uniform(0, 2 * math.pi) for _ in range(n)]
 
     def congestion_probability(self) -> float:
-        return min(self.p.congestion_max, self.p.congestion_rate * self.p.nodes ** 2)
+        return self.p.congestion_probability()
 
     def node_factors(self, step: int) -> list[float]:
         """Each node's thermal factor on its ranks' compute at ``step`` (1.0 without the effect)."""
