@@ -96,6 +96,30 @@ def test_straggler_gpu_is_hot_and_slow_once_it_straggles():
                     (BASE_CLOCK_MHZ / 1.08 if slow else BASE_CLOCK_MHZ) * 1e6, rel=1e-3)
 
 
+def test_gpu_readings_are_the_documented_ones_whatever_the_step_did():
+    """docs/simulator.md said the SM clock follows "the compute slowdown the model applies to
+    that rank" and the temperature 65 + 20 h: the clock is 1980 MHz over the thermal and
+    straggler factors alone (a tick is no step: the oscillation's ± 10 % and the jitter move
+    no clock), and a node's GPUs read local % 3 degrees apart."""
+    driver, hw = _setup("oscillation", nodes=2, ranks=4, thermal_amplitude=0.06,
+                        straggler_rank=6, straggler_slowdown=0.2, straggler_from_step=0)
+    with hw:
+        for steps in (7, 1):                      # ending on an odd step, then an even one
+            driver.run(steps)
+            hw.tick(1.0)
+            factors = driver.model.node_factors(driver.truth.last_step)
+            for n in range(2):
+                r = _read(hw, n)
+                for g in range(4):
+                    uuid = gpu_uuid(f"sim-node-{n:02d}", g)
+                    slow = n * 4 + g == 6
+                    heat = 1.0 if slow else (factors[n] - 1) / 0.06
+                    assert _gpu(r, "syncwatch_gpu_temperature_celsius", uuid) == (
+                        round(65 + 20 * heat) + g % 3)
+                    assert _gpu(r, "syncwatch_gpu_sm_clock_hertz", uuid) == pytest.approx(
+                        BASE_CLOCK_MHZ / (factors[n] * (1.2 if slow else 1.0)) * 1e6, rel=1e-3)
+
+
 def test_congestion_episodes_raise_fabric_counters_on_every_node():
     driver, hw = _setup("congestion", nodes=2, ranks=2)
     with hw:

@@ -21,8 +21,8 @@ otherwise:
 | reading | from the simulator's truth |
 | --- | --- |
 | GPU heat h in [-1, 1] | thermal scenario: the node's sinusoid, (``Model.node_factors`` - 1) / abs(amplitude); straggler: 1 on the slow rank's GPU once it straggles; otherwise 0 |
-| temperature | 65 + 20 h °C; the ``sw_thermal`` throttle reason is active while h >= 0.75 (80 °C) |
-| SM clock | 1980 MHz / the compute slowdown the model applies to that rank (thermal x straggler) |
+| temperature | 65 + 20 h °C, rounded, + local % 3; the ``sw_thermal`` throttle reason is active while h >= 0.75 (80 °C) |
+| SM clock | 1980 MHz / (thermal x straggler): not the per-step jitter, oscillation or stalls |
 | utilisation | 95 % while busy, else 0 |
 | power, energy | while busy 250 W + 150 W x clock / 1980 MHz, else 90 W; energy += power x time |
 | RoCE port data | every step a ring all-reduce moves 2 (N - 1) / N x ``GRADIENT_BYTES`` out and in |

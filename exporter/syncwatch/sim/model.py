@@ -13,8 +13,8 @@ gradient collective:
     idle_i      = wait_i + rank i's own checkpoint and eval time (what the skew exchange compares)
     slack_i     = idle_i - min_j idle_j,  skew = max_i slack_i,  last arrival = argmin_j idle_j
 
-A rank's compute time is ``compute_seconds`` x (1 + Gaussian jitter) x its persistent-straggler,
-thermal and oscillation factors, plus a rare heavy-tailed stall (Pareto, capped). Fabric congestion
+A rank's compute time is ``compute_seconds`` x max(0.5, 1 + Gaussian jitter) x its
+persistent-straggler, thermal and oscillation factors, plus a rare heavy-tailed stall (Pareto, capped). Fabric congestion
 episodes inflate the collective time; their chance per step grows with nodes² (pairwise flow
 collisions on an oversubscribed fabric); scheduled episodes (``congestion_every``) come besides.
 Restarts fail the job after chosen steps and resume from the last checkpoint with a new attempt:
@@ -46,6 +46,7 @@ class Params:
     phase_split: tuple[float, ...] = (0.05, 0.30, 0.55, 0.10)  # data, forward, backward, optimizer
     collective_seconds: float = 0.15        # gradient all-reduce once the last rank arrived
     jitter: float = 0.015                   # Gaussian sigma of compute, relative, per rank and step
+    # (its factor floored at 0.5)
     stall_probability: float = 2e-4         # chance per rank and step of a heavy-tailed stall
     stall_seconds: float = 0.02             # Pareto scale (the smallest stall), x compute_seconds
     stall_alpha: float = 1.5                # Pareto tail index (smaller = heavier)
