@@ -131,6 +131,17 @@ def checkpointing_series(job: str, rank0_only: bool, every: int = 200, seconds: 
     return out
 
 
+def autocorrelation_series(job: str, early: float, late: float):
+    """``job_series`` with every rank's ``syncwatch_step_autocorrelation`` at ``early`` while its
+    process has run up to 20 steps (T0 .. T0 + 20 s), at ``late`` after."""
+    out = job_series(job)
+    for r in range(4):
+        lab = {"train_job": job, "rank": str(r), "instance": f"10.0.0.{r // 2}:9477"}
+        out.append(("syncwatch_step_autocorrelation", lab,
+                    [(t, early if t - T0 <= 20 else late) for t in range(T0, T0 + SPAN + 1, SCRAPE)]))
+    return out
+
+
 @pytest.fixture(scope="module")
 def prom(tmp_path_factory):
     series = [*job_series("steady"),
@@ -141,7 +152,9 @@ def prom(tmp_path_factory):
               *job_series("scraped-30s", scrape=30, step_times=True),
               *job_series("exchange-20s", exchange=20, step_times=True),
               *checkpointing_series("every-rank-saves", rank0_only=False),
-              *checkpointing_series("rank-0-saves", rank0_only=True)]
+              *checkpointing_series("rank-0-saves", rank0_only=True),
+              *autocorrelation_series("early-noise", -0.8, -0.1),
+              *autocorrelation_series("oscillating", -0.8, -0.8)]
     with backfilled_prometheus(tmp_path_factory.mktemp("prom"), series) as p:
         yield p.url
 
@@ -299,6 +312,20 @@ def test_a_restart_that_moved_rank_0_to_another_node_is_counted(prom, start, end
     assert d["scores"]["restarts"] == restarts
     assert d["scores"]["rerun_steps"] == (pytest.approx(300, abs=2 * SCRAPE) if restarts else 0)
     assert ("checkpoint_restart" in {f["mode"] for f in d["findings"]}) == (restarts > 0)
+
+
+@pytest.mark.parametrize(("job", "start", "found"), [("early-noise", T0, False), ("oscillating", T0, False),
+                                                     ("oscillating", T0 + 600, True)])
+def test_an_autocorrelation_over_a_process_s_first_steps_is_no_oscillation(prom, job, start, found,
+                                                                           monkeypatch, capsys):
+    """The daemons export a rank's step-time autocorrelation from its process's third step, where
+    noise alone reads -0.5 or below in a fifth of the windows: the first 20 s of a job (or of a
+    restart) reading -0.8 was an oscillation. A window's gauge counts once the rank's process ran
+    more than 20 steps (``syncwatch_steps_total``); later, the same -0.8 is one."""
+    d = _diagnose(monkeypatch, capsys, prom, job, start, start + 15)
+    assert ("oscillation" in {f["mode"] for f in d["findings"]}) == found
+    assert d["scores"]["step_autocorrelation"] == (pytest.approx(-0.8) if found else None)
+    assert any("oscillation not assessed" in n for n in d["notes"]) != found
 
 
 @pytest.mark.parametrize("job", ["every-rank-saves", "rank-0-saves"])

@@ -25,7 +25,7 @@ from ..rules.thresholds import THRESHOLDS
 from .common import command, emit_json, lag1, ms, pct, plural
 from .prom import quote
 from .source import add_source_flags, view_from_args
-from .view import BYTES_SERIES, CONGESTION_SERIES, JobView
+from .view import AUTOCORRELATION_MIN_STEPS, BYTES_SERIES, CONGESTION_SERIES, JobView
 
 # without the skew exchange a straggler is named from mean waits: one that leads on average, not
 # one counted last step by step, so its finding is this much less sure
@@ -545,6 +545,10 @@ def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
         notes.append(f"only {plural(s['steps'], 'step', '.0f')} in range: fewer than the {FEW_STEPS} the daemons' "
                      "step-time CV spans, and a straggler, an oscillation or congestion episodes may "
                      "not show in so few")
+    if s["step_autocorrelation"] is None:
+        notes.append(f"no step-time autocorrelation in range that rests on {AUTOCORRELATION_MIN_STEPS} steps (a "
+                     f"process's first {AUTOCORRELATION_MIN_STEPS} after its start or a restart are too few): "
+                     "oscillation not assessed")
     job_windows = len(_vals(v.collective_series()))
     if job_windows < FEW_WINDOWS:
         notes.append(f"the job ran through {job_windows} of the range's {plural(len(v.times), 'window')} of "

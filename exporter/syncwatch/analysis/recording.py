@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 
 from .common import AnalysisError, lag1
-from .view import JobView, windows
+from .view import AUTOCORRELATION_MIN_STEPS, JobView, windows
 
 FORMAT = "syncwatch-run/1"
 MIN_WINDOW_STEPS = 10  # a window holds at least this many steps: shares of last arrivals need a sample
@@ -171,7 +171,7 @@ def to_view(run: dict, source: str, start: float | None = None, end: float | Non
             per_rank["samples"][r][w] += spr
             if wait <= lo:
                 per_rank["last_arrivals"][r][w] += 1
-        cv[w], ac[w] = _cv(recent), lag1(recent)
+        cv[w], ac[w] = _cv(recent), lag1(recent, min_points=AUTOCORRELATION_MIN_STEPS)
     restarts = run.get("restarts") or []
     rerun = []
     for t in times:

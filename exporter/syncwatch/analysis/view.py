@@ -65,6 +65,11 @@ SCRAPES_PER_WINDOW = 2.5
 # collective time ((sync - slack) / steps) swung 35-67 ms about a true 45 ms (a straggler job read
 # as fabric contention); over four, the error is a quarter of that
 EXCHANGES_PER_WINDOW = 4
+# a window's lag-1 autocorrelation of step time counts where it rests on this many steps: the
+# daemons export it from 3 (their window after a process's start or restart), where noise alone
+# reads -0.5 or below in 22 % of 4-step windows, 7 % of 10, 1.3 % of 20, 0.2 % of 30 (white
+# noise; the healthy simulator's steps alike) and a 4-step range after a restart read oscillation
+AUTOCORRELATION_MIN_STEPS = 20
 WARNINGS_SHOWN = 3  # a partial answer from many stores warns once per store: the first few say enough
 
 
@@ -400,7 +405,9 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
         rank_node=rank_node, per_rank=per_rank,
         # the least disturbed rank's, as the rules read it (train_job:syncwatch_step_cv:min)
         cv=job_series(f"min(syncwatch_step_cv{{{sel}}})"),
-        autocorrelation=job_series(f"avg(syncwatch_step_autocorrelation{{{sel}}})"),
+        # a rank's gauge rests on its process's steps but the first (its warm-up), up to W
+        autocorrelation=job_series(f"avg(syncwatch_step_autocorrelation{{{sel}}} and "
+                                   f"syncwatch_steps_total{{{sel}}} > {AUTOCORRELATION_MIN_STEPS})"),
         restarts=job_series(f"max(syncwatch_job_restarts_total{{{sel}}})"),
         rerun_steps=job_series(f"max(syncwatch_job_rerun_steps_total{{{sel}}})"),
         hardware=hardware, samples_per_rank_step=samples, checkpoints=checkpoints,
