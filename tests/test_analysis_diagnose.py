@@ -166,6 +166,46 @@ def test_two_nodes_taking_last_arrivals_by_chance_are_no_rotating_straggler(seed
         assert thermal.mode == "thermal_coupling" and len(thermal.subject["nodes"]) == 2
 
 
+def thermal_telemetry(run: dict, nodes: int, ranks_per_node: int, seed: int) -> dict:
+    """The GPU telemetry of the thermal scenario's nodes over ``run``'s steps, as the simulator's
+    hardware model reads it (docs/simulator.md): heat h of each node's sinusoid, 65 + 20 h °C,
+    thermal throttling while h >= 0.75."""
+    from syncwatch.sim.model import Model
+    p = sim.scenario_params("thermal", nodes, ranks_per_node)
+    model = Model(p, seed)
+    temps, throttle = {}, {}
+    for st in run["steps"]:
+        for n, f in enumerate(model.node_factors(st["step"])):
+            h = (f - 1) / p.thermal_amplitude
+            temps.setdefault(f"sim-node-{n:02d}", []).append([st["t"], 65.0 + round(20 * h)])
+            throttle.setdefault(f"sim-node-{n:02d}", []).append([st["t"], 1.0 if h >= 0.75 else 0.0])
+    return {"gpu_temperature_celsius": temps, "gpu_thermal_throttle": throttle}
+
+
+@pytest.mark.parametrize(("nodes", "ranks_per_node"), [(16, 2), (32, 1)])
+def test_a_rotating_straggling_node_over_many_nodes_is_thermal_when_its_gpus_throttle(nodes, ranks_per_node):
+    """The thermal scenario over 16 x 2 and 32 x 1 ranks read as transient jitter (and fabric
+    contention): the top node takes 47 % and 33 % of a window's last arrivals, below the 60 %
+    node_dominates asks, however its GPUs throttle. The node arriving last most throttles in 90-100 %
+    of windows where 26 % of nodes throttle: that carries thermal coupling now. The same telemetry
+    over a healthy run (its last arrivals unrelated to it: 17-31 % of windows) reads no thermal."""
+    for seed in (0, 1):
+        truth = sim.run_scenario("thermal", nodes=nodes, ranks_per_node=ranks_per_node, seed=seed)
+        run = recording.from_ground_truth(truth, start_wall=START)
+        assert "thermal_coupling" not in {f.mode for f in diagnose(recording.to_view(run, "test")).findings}
+        run["hardware"] = thermal_telemetry(run, nodes, ranks_per_node, seed)
+        modes = {f.mode: f for f in diagnose(recording.to_view(run, "test")).findings}
+        assert "thermal_coupling" in modes and "straggler_transient" not in modes, list(modes)
+        thermal = modes["thermal_coupling"]
+        assert thermal.confidence == 0.85 and len(thermal.subject["nodes"]) >= nodes // 2
+        assert any("of windows the node arriving last most throttles then" in e["reading"] for e in thermal.evidence)
+        healthy = recording.from_ground_truth(
+            sim.run_scenario("healthy", nodes=nodes, ranks_per_node=ranks_per_node, seed=seed, steps=600),
+            start_wall=START)
+        healthy["hardware"] = thermal_telemetry(healthy, nodes, ranks_per_node, seed)
+        assert "thermal_coupling" not in {f.mode for f in diagnose(recording.to_view(healthy, "test")).findings}
+
+
 def test_a_healthy_verdict_on_too_few_steps_says_so():
     """A recorded run of 8 steps read "no structural problem found", as a long healthy run does:
     so few steps rule nothing out, and the verdict and the notes now say it."""
