@@ -34,6 +34,22 @@ def test_each_scenario_is_diagnosed_as_its_own_failure_mode(name, seed):
     assert d.healthy == (name == "healthy")
 
 
+def test_a_few_steps_name_no_straggler():
+    """Over 4 steps of a healthy 32-rank job one rank took 2 of the 4 last arrivals (50 %) in 7
+    of 40 ranges, and each read as a persistent straggler at 0.75; from 10 steps a straggler is
+    named: the injected one over 10 steps once it straggles (it slows from step 20), not over 4."""
+    def findings(run, first, last):
+        a, b = run["steps"][first], run["steps"][last]
+        v = recording.to_view(run, "test", a["t"] + a["seconds"] - 1e-6, b["t"] + b["seconds"] + 1e-6)
+        return [f.mode for f in diagnose(v).findings]
+
+    healthy = recorded("healthy")
+    assert all("straggler_persistent" not in findings(healthy, i, i + 3) for i in range(0, 280, 7))
+    straggler = recorded("straggler")
+    assert findings(straggler, 100, 109) == ["straggler_persistent"]
+    assert findings(straggler, 100, 103) == []
+
+
 def test_persistent_straggler_names_rank_and_node():
     d = diagnose(recording.to_view(recorded("straggler"), "test"))
     (f,) = d.findings

@@ -115,7 +115,8 @@ def test_scenario_diagnosed_through_prometheus(cluster, name, monkeypatch, capsy
 def test_thermal_diagnosis_cites_the_throttling_gpus(cluster, monkeypatch, capsys):
     d = _diagnose(monkeypatch, capsys, *cluster, "thermal")
     (finding,) = [f for f in d["findings"] if f["mode"] == "thermal_coupling"]
-    (hw,) = [e for e in finding["evidence"] if "syncwatch_gpu_throttle_active" in e["series"]]
+    (hw,) = [e for e in finding["evidence"]
+             if e["series"] == "syncwatch_gpu_throttle_active / syncwatch_gpu_temperature_celsius"]
     hot = hw["reading"].removeprefix("straggling nodes ").removesuffix(" throttle or run hot").split(", ")
     assert hot and set(hot) <= set(finding["subject"]["nodes"]), finding
     assert all(n.startswith("e2e-thermal-node-") for n in hot)
