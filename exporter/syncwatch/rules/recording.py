@@ -22,6 +22,14 @@ RANK = "train_job, rank"  # per-rank aggregation: the instance (its node's daemo
 RANK_NODE = "topk by (train_job, rank) (1, syncwatch_rank_info)"
 
 
+def started(window: str) -> str:
+    """The (train_job, rank) series of a rank whose process started within ``window``: its step
+    counter reset there (a restart in place), or its series is younger than the window (rate()
+    extrapolates its first value, and a new process's first step is its warm-up)."""
+    return (f"(\n  resets(syncwatch_steps_total[{window}]) > 0\n  or\n"
+            f"  syncwatch_steps_total unless syncwatch_steps_total offset {window}\n)")
+
+
 def _component(name: str, value: str, ok: float, bad: float) -> dict:
     """One instability component: 0 at ``ok``, 1 at ``bad``, linear between, clamped to 0..1."""
     return {
@@ -84,8 +92,7 @@ def recording_rules(c: Ctx) -> list[dict]:
                  f"       or 0 * {rate_by('syncwatch_step_seconds_total', rs, RANK)})\n  )\n"
                  f"  /\n  ({rate_by('syncwatch_steps_total', rs, RANK)} > 0)\n"
                  f"  unless on (train_job, rank)\n"
-                 f"  (\n    resets(syncwatch_steps_total[{rs}]) > 0\n"
-                 f"    or\n    syncwatch_steps_total unless syncwatch_steps_total offset {rs}\n  )\n)"},
+                 f"  {started(rs).replace(chr(10), chr(10) + '  ')}\n)"},
         {"record": "train_job:syncwatch_samples:rate5m",
          "expr": rate_by("syncwatch_samples_total", r)},
         {"record": "train_job:syncwatch_tokens:rate5m",
@@ -240,8 +247,15 @@ def recording_rules(c: Ctx) -> list[dict]:
         {"record": "train_job:syncwatch_samples_per_gpu:rate5m",
          "expr": "(train_job:syncwatch_samples:rate5m > 0)\n/ on (train_job)\n"
                  "count by (train_job) (max by (train_job, rank) (syncwatch_rank_info))"},
+        # The baseline reads only windows that hold no start of a rank's process: rate() over a
+        # series younger than the window divides its increase by the whole window, so a job's
+        # per-GPU rate ramps up over its first 5m (24 samples/s at 2m for 60), and those windows
+        # held the baseline low for the job's first hour: a third less throughput 30 minutes in
+        # read 0.72, rose over 0.8 after 28 minutes, and EfficiencyDrift never fired.
+        {"record": "train_job:syncwatch_samples_per_gpu:settled5m",
+         "expr": f"train_job:syncwatch_samples_per_gpu:rate5m\nunless on (train_job)\n{started(r)}"},
         {"record": "train_job:syncwatch_samples_per_gpu:baseline1h",
-         "expr": f"avg_over_time(train_job:syncwatch_samples_per_gpu:rate5m[{c.d(w.trailing)}] "
+         "expr": f"avg_over_time(train_job:syncwatch_samples_per_gpu:settled5m[{c.d(w.trailing)}] "
                  f"offset {c.d(w.baseline_offset)})"},
         {"record": "train_job:syncwatch_efficiency:ratio_to_baseline",
          "expr": "train_job:syncwatch_samples_per_gpu:rate5m\n/\ntrain_job:syncwatch_samples_per_gpu:baseline1h"},
