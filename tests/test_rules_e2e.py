@@ -26,7 +26,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def drill():
-    return run_drill(timeout=150)
+    return run_drill(timeout=190)
 
 
 def test_every_fault_pages_its_alert_after_the_fault_started(drill):
@@ -89,7 +89,7 @@ def test_only_critical_alerts_reach_the_pager(drill):
 
 @pytest.fixture(scope="module")
 def drill_without_exchange():
-    return run_drill(faults=("healthy", "straggler"), exchange_every=0, timeout=150)
+    return run_drill(faults=("healthy", "straggler"), exchange_every=0, timeout=190)
 
 
 def test_without_the_skew_exchange_the_straggler_still_pages_and_the_healthy_job_does_not(

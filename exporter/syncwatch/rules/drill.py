@@ -127,12 +127,19 @@ class _WebhookHandler(BaseHTTPRequestHandler):
 
 
 def run_drill(faults=("healthy", "variance", "straggler", "stall", "start"), *, time_scale: float = 0.05,
-              warmup: float = 20.0, timeout: float = 150.0, seed: int = 0,
+              warmup: float | None = None, timeout: float = 190.0, seed: int = 0,
               exchange_every: int = 10, workdir: str | None = None) -> DrillResult:
     """Run the drill until every expected alert was notified (or ``timeout`` seconds).
 
     ``exchange_every`` is the jobs' skew exchange period K; 0 runs them without it, so the rules
-    see only the waits (their fallback from mean waits)."""
+    see only the waits (their fallback from mean waits). ``warmup`` defaults to 20 minutes at
+    ``time_scale`` (60 s at 0.05): the skew growth's baseline (30m ending 10m back) reads no
+    window holding a rank's process start, the job's first 5m, and a straggler pages ~16m after
+    onset, when it spans onset - 24m to onset + 6m. After 6.7 minutes (20 s) it held 1.7 minutes
+    of the healthy job and 6 of the fault, and the straggler's score at its page read 0.29
+    (in review)."""
+    if warmup is None:
+        warmup = 20 * 60 * time_scale
     t_start = time.time()
     work = Path(workdir or tempfile.mkdtemp(prefix="sw-drill-"))
     rule_files = write(work / "rules", time_scale)
