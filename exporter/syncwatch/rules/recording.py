@@ -275,8 +275,14 @@ def recording_rules(c: Ctx) -> list[dict]:
                  f"  group by (train_job, uuid) (syncwatch_rank_info{{uuid!=\"\"}})\n)"},
         {"record": "train_job:syncwatch_energy_per_sample:joules5m",
          "expr": "train_job:syncwatch_gpu_power:watts5m\n/\n(train_job:syncwatch_samples:rate5m > 0)"},
+        # the baseline as throughput's: the GPUs' energy counters are older than the job, its
+        # young samples series' rate reads low, and its first 5m read energy per sample up to
+        # twice what it was; in the baseline they hid 1.6x the energy per sample 30 minutes into
+        # a job from EnergyOutpacingOutput (1.48 at 36m, at least 1.24 over the next 30m)
+        {"record": "train_job:syncwatch_energy_per_sample:settled5m",
+         "expr": f"train_job:syncwatch_energy_per_sample:joules5m\nunless on (train_job)\n{started(r)}"},
         {"record": "train_job:syncwatch_energy_per_sample:baseline1h",
-         "expr": f"avg_over_time(train_job:syncwatch_energy_per_sample:joules5m[{c.d(w.trailing)}] "
+         "expr": f"avg_over_time(train_job:syncwatch_energy_per_sample:settled5m[{c.d(w.trailing)}] "
                  f"offset {c.d(w.baseline_offset)})"},
         # --- instability: components (each 0..1) and their noisy-OR combination
         _component("cv", "train_job:syncwatch_step_cv:avg5m", t.inst_cv_ok, t.inst_cv_bad),
