@@ -2318,6 +2318,64 @@ def test_a_bad_environment_value_is_said_once_and_its_default_taken(
     assert len(said) == 1 and f"ignoring {var}={value!r}" in said[0], said
 
 
+@pytest.mark.parametrize("arg, value", [
+    ("heartbeat_seconds", -1), ("heartbeat_seconds", float("nan")),
+    ("heartbeat_seconds", float("inf")), ("heartbeat_seconds", "5"),
+    ("heartbeat_seconds", True), ("exchange_every", -3), ("exchange_every", 2.5),
+    ("exchange_every", "10"), ("exchange_seconds", -5), ("exchange_seconds", float("nan"))])
+def test_a_bad_numeric_argument_is_said_once_and_its_default_taken(
+        rx, sock_path, caplog, monkeypatch, arg, value):
+    """``init(heartbeat_seconds=-1)`` or ``nan`` sent no heartbeat, ``exchange_every=-3``
+    turned the exchange off and ``exchange_seconds=-5`` was taken as 0, all without a word,
+    where the ``SYNCWATCH_*`` variables with the same values warned; ``heartbeat_seconds="5"``
+    stopped the records thread (a TypeError there): no record sent at all. Each now gives one
+    warning naming the argument, and its default (the variable not consulted in its place)."""
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    import syncwatch.instrument as sw
+    monkeypatch.setenv("SYNCWATCH_HEARTBEAT", "0.01")  # not consulted for a bad argument
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="syncwatch.instrument"):
+            m = sw.init(job="arg", socket=sock_path, **{arg: value})
+        assert m is not None
+        assert wait_for(lambda: rx.of(HeartbeatRecord))  # heartbeats on
+        m.step(samples=2)
+        assert steps(rx, 1)
+        assert m.exchange_seconds == 30.0
+        if arg == "heartbeat_seconds":
+            time.sleep(0.3)  # every 5 s, not the variable's 0.01
+            assert len(rx.of(HeartbeatRecord)) == 1
+    finally:
+        sw.shutdown()
+        dist.destroy_process_group()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and f"ignoring {arg}={value!r}" in said[0], said
+    default = {"heartbeat_seconds": "5", "exchange_every": "50", "exchange_seconds": "30"}[arg]
+    assert said[0].endswith(f"using {default}"), said
+
+
+def test_zero_heartbeat_and_exchange_arguments_turn_them_off_without_a_warning(
+        rx, sock_path, caplog):
+    """``heartbeat_seconds=0`` and ``exchange_every=0`` are the documented "off"; ``inf``
+    window time keeps windows of K, as ``SYNCWATCH_SKEW_SECONDS=inf`` does."""
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    import syncwatch.instrument as sw
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="syncwatch.instrument"):
+            m = sw.init(job="off", socket=sock_path, heartbeat_seconds=0, exchange_every=0,
+                        exchange_seconds=float("inf"))
+        m.step(samples=2)
+        assert steps(rx, 1) and m.exchange_seconds == float("inf")
+    finally:
+        sw.shutdown()
+        dist.destroy_process_group()
+    assert not rx.of(HeartbeatRecord)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 @pytest.mark.parametrize("device", ["gpu", "CUDA", ""])
 def test_a_bad_device_argument_is_said_once_and_the_default_taken(
         rx, sock_path, caplog, monkeypatch, device):

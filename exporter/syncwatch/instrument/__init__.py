@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import operator
 import os
 import sys
 import threading
@@ -77,6 +78,23 @@ def _env_number(name: str, conv, default, valid, expected: str):
     return default
 
 
+def _arg_number(name: str, value, conv, default, valid, expected: str):
+    """``init()``'s argument ``name`` as ``conv`` gives it, where ``valid`` takes it; else
+    ``default``, with a warning that names it, as ``_env_number`` does for the variables (the
+    variable not consulted in its place). An argument was taken as it came: a heartbeat of -1
+    or ``nan`` sent none, a negative K turned the exchange off, without a word, and a string
+    (``heartbeat_seconds="5"``) stopped the records thread: no record sent at all."""
+    try:
+        x = None if isinstance(value, (bool, str, bytes)) else conv(value)
+    except (TypeError, ValueError, OverflowError):
+        x = None
+    if x is not None and valid(x):
+        return x
+    log.warning("syncwatch: ignoring %s=%r (expected %s): using %g", name, value, expected,
+                default)
+    return default
+
+
 def init(*, job: str | None = None, attempt: int | None = None, node: str | None = None,
          exchange_every: int | None = None, exchange_seconds: float | None = None,
          heartbeat_seconds: float | None = None, socket: str | None = None,
@@ -88,7 +106,9 @@ def init(*, job: str | None = None, attempt: int | None = None, node: str | None
     skew exchange, a collective call). ``exchange_every``: K (default ``$SYNCWATCH_SKEW_EVERY``
     or 50; 0 = off). ``exchange_seconds``: where K steps take longer, the windows after the
     first are as many steps as take this long (default ``$SYNCWATCH_SKEW_SECONDS`` or 30; 0 =
-    always K). ``device``: "cpu" (monotonic clock) or "cuda" (CUDA events); default: cuda
+    always K). ``heartbeat_seconds``: default ``$SYNCWATCH_HEARTBEAT`` or 5; 0 = off. A value
+    out of those bounds (a negative or NaN number, a string) is ignored with a warning, and the
+    default taken. ``device``: "cpu" (monotonic clock) or "cuda" (CUDA events); default: cuda
     when the default group's backend is NCCL (another value is ignored, with a warning). Never
     raises.
     """
@@ -161,6 +181,19 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
                              gpu=gpu, gpu_uuid=uuid)
     if clock is None:
         clock = CudaEventClock(device=gpu) if device == "cuda" else HostClock()
+    if exchange_every is not None:
+        exchange_every = _arg_number("exchange_every", exchange_every, operator.index,
+                                     DEFAULT_EXCHANGE_EVERY, lambda k: k >= 0,
+                                     "0 (off) or a number of steps")
+    if exchange_seconds is not None:
+        exchange_seconds = _arg_number("exchange_seconds", exchange_seconds, float,
+                                       EXCHANGE_SECONDS, lambda s: s >= 0,
+                                       "0, a positive number or inf")
+    if heartbeat_seconds is not None:
+        heartbeat_seconds = _arg_number("heartbeat_seconds", heartbeat_seconds, float,
+                                        DEFAULT_HEARTBEAT_SECONDS,
+                                        lambda s: s == 0 or 0 < s < math.inf,
+                                        "0 (off) or a positive number of seconds")
     if exchange_every is None:
         exchange_every = _env_number("SYNCWATCH_SKEW_EVERY", int, DEFAULT_EXCHANGE_EVERY,
                                      lambda k: k >= 0, "0 (off) or a number of steps")
