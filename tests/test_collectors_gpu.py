@@ -392,3 +392,86 @@ def test_nvml_failing_after_init_reinitializes():
 def test_golden_gpu_files_pass_promtool():
     text = render(cycle(GpuCollector(nvml=FakeNvml()))[2])
     promtool_check(text)
+
+
+def fail_once(fake: FakeNvml, function: str, code: int) -> None:
+    """The next call of ``function`` raises NVMLError(``code``); the ones after succeed."""
+    original = getattr(fake, function)
+
+    def once(*args):
+        setattr(fake, function, original)
+        raise N.NVMLError(code)
+    setattr(fake, function, once)
+
+
+def test_count_failing_at_setup_leaks_no_event_set_and_xids_are_read():
+    """nvmlDeviceGetCount failing right after nvmlEventSetCreate during setup left the new event
+    set allocated (never freed) and the collector without one until NVML was initialized again:
+    no XID read, without a word."""
+    fake = FakeNvml(healthy_node(8))
+    collector = GpuCollector(nvml=fake)
+    fail_once(fake, "nvmlDeviceGetCount", N.NVML_ERROR_UNKNOWN)
+    with pytest.raises(RuntimeError, match="nvmlDeviceGetCount"):
+        collector.update([])  # NVML initialized again next cycle
+    cycle(collector)
+    assert len(fake._sets) == 1
+    fake.xid(2, 31)
+    reg, errors, _ = cycle(collector)
+    assert errors == []
+    assert reg.get_sample_value("syncwatch_gpu_xid_errors_total", labels(2, xid="31")) == 1
+    collector.close()
+    assert fake._sets == {}
+
+
+def test_an_event_set_that_cannot_be_made_is_an_error_and_retried():
+    """The XID event set could not be made anew after a GPU was lost (nvmlEventSetCreate failed):
+    one cycle said so, and every later cycle read no XID at all, success 1, until NVML was
+    initialized again. Each cycle without a set now says so, and makes it again."""
+    fake = FakeNvml(healthy_node(8))
+    runner = CollectorRunner({"gpu": GpuCollector(nvml=fake)})
+    runner.run_once()
+    fake.gpus[3].error = N.NVML_ERROR_GPU_IS_LOST
+    fake.driver_lacks.add("nvmlEventSetCreate")  # stands for any failure of the call
+    success = "syncwatch_collector_success"
+    for _ in range(2):
+        fake.xid(0, 13)
+        runner.run_once()
+        v = registry_of(runner.collect()).get_sample_value
+        assert v(success, {"collector": "gpu"}) == 0
+        assert v("syncwatch_gpu_up", labels(0)) == 1  # the other metrics still exported
+    fake.driver_lacks.clear()
+    runner.run_once()
+    fake.xid(0, 13)
+    runner.run_once()
+    v = registry_of(runner.collect()).get_sample_value
+    assert v(success, {"collector": "gpu"}) == 1
+    assert v("syncwatch_gpu_xid_errors_total", labels(0, xid="13")) == 1
+    assert len(fake._sets) == 1
+
+
+def test_xids_counted_before_the_uuid_was_read_take_it_once_known():
+    """A GPU that answered its registration for XIDs but not its UUID (it timed out) had its
+    XIDs counted under uuid="", and they stayed there after the UUID was read: a series no
+    syncwatch_rank_info joins. They move to the UUID once it is known."""
+    fake = FakeNvml(healthy_node(8))
+    collector = GpuCollector(nvml=fake)
+    original = fake.nvmlDeviceGetUUID
+    timing_out = {3}
+
+    def uuid(handle):
+        if fake._index(handle) in timing_out:
+            raise N.NVMLError(N.NVML_ERROR_TIMEOUT)
+        return original(handle)
+    fake.nvmlDeviceGetUUID = uuid
+    reg = cycle(collector)[0]
+    assert reg.get_sample_value("syncwatch_gpu_up", {"gpu": "3", "uuid": ""}) == 0
+    fake.xid(3, 79)
+    reg = cycle(collector)[0]
+    xids, stamp = "syncwatch_gpu_xid_errors_total", "syncwatch_gpu_xid_last_event_timestamp_seconds"
+    assert reg.get_sample_value(xids, {"gpu": "3", "uuid": "", "xid": "79"}) == 1
+    timing_out.clear()
+    reg, _, families = cycle(collector)
+    assert reg.get_sample_value("syncwatch_gpu_up", labels(3)) == 1
+    assert reg.get_sample_value(xids, labels(3, xid="79")) == 1
+    assert reg.get_sample_value(stamp, labels(3, xid="79")) is not None
+    assert 'uuid=""' not in render(families)

@@ -28,7 +28,11 @@ Failure semantics:
   While a GPU in the event set is lost, NVML answers every wait with ``GPU_IS_LOST`` and gives no
   event of any GPU: the set is then made anew without the GPUs that are down (a warning names
   them), the other GPUs' XIDs are read on, those already counted stay exported, and a GPU that
-  answers again is registered again.
+  answers again is registered again. A cycle without an event set (``nvmlEventSetCreate``
+  failed) is an error, and the set is made again the next cycle.
+* A GPU whose UUID was never read (down since NVML was initialized) is exported with uuid "";
+  the UUID is asked for again every cycle, and once read its series, and the XIDs counted under
+  "" meanwhile, carry it.
 
 A call that hangs inside the driver is handled by the runner (one worker, per-call timeout).
 """
@@ -99,6 +103,8 @@ class GpuCollector:
         self._events = None
         self._uuids: dict[int, str] = {}  # NVML index -> UUID, for this initialization only
         self._xids: Counter[tuple[int, str, int]] = Counter()  # (index, uuid, xid) -> events
+        # (index, xid) of this initialization counted under uuid "": its UUID not read yet
+        self._xid_no_uuid: set[tuple[int, int]] = set()
         self._xid_last: dict[tuple[int, str, int], float] = {}  # ... -> wall time of the latest
         self._down_gpus: set[int] = set()
         self._xid_unwatched: set[int] = set()  # down GPUs left out of the event set, until they answer
@@ -141,13 +147,7 @@ class GpuCollector:
         self._ready = True
         self._backoff = self._backoff_min
         self._init_failure = None
-        self._events = None
-        try:
-            events = nv.nvmlEventSetCreate()
-            self._register_xids(events, range(nv.nvmlDeviceGetCount()))
-            self._events = events
-        except nv.NVMLError:
-            self._events = None
+        self._events = None  # made by the first cycle, once it has the count
 
     def _register_xids(self, events, indices) -> None:
         """Register each GPU of ``indices`` for XID events in ``events``. One that is down (lost,
@@ -175,6 +175,7 @@ class GpuCollector:
         self._uuids.clear()
         self._down_gpus.clear()
         self._xid_unwatched.clear()
+        self._xid_no_uuid.clear()  # the index may be another GPU's after NVML comes back
         try:
             if self._events is not None:
                 nv.nvmlEventSetFree(self._events)
@@ -249,9 +250,12 @@ class GpuCollector:
             if values.get("replays") is not None:
                 replays.add_metric(labels, values["replays"])
 
-        if self._events is not None and self._xid_unwatched - self._down_gpus:
+        if self._events is None:
+            self._make_events(count, errors)
+        elif self._xid_unwatched - self._down_gpus:
             self._register_xids(self._events, sorted(self._xid_unwatched - self._down_gpus))
         self._drain_xids(count, errors)
+        self._label_xids()
         xids = CounterMetricFamily("syncwatch_gpu_xid_errors", "XID critical errors reported by the driver.",
                                    labels=[*gu, "xid"])
         xid_last = GaugeMetricFamily("syncwatch_gpu_xid_last_event_timestamp_seconds",
@@ -367,8 +371,38 @@ class GpuCollector:
             except nv.NVMLError:
                 continue
             key = (index, self._uuids.get(index, ""), int(data.eventData))
+            if not key[1]:
+                self._xid_no_uuid.add((index, key[2]))
             self._xids[key] += 1
             self._xid_last[key] = self.wall_clock()
+
+    def _label_xids(self) -> None:
+        """Move the XIDs counted under uuid "" (the GPU registered, its UUID not read: it timed
+        out) to its UUID once a cycle read it. They stayed under "" for good: series that no
+        ``syncwatch_rank_info`` joins."""
+        for index, xid in [k for k in self._xid_no_uuid if k[0] in self._uuids]:
+            self._xid_no_uuid.discard((index, xid))
+            old, new = (index, "", xid), (index, self._uuids[index], xid)
+            self._xids[new] += self._xids.pop(old)
+            self._xid_last[new] = max(self._xid_last.pop(old), self._xid_last.get(new, 0.0))
+
+    def _make_events(self, count: int, errors: list[str], skip: set[int] = frozenset()) -> None:
+        """The XID event set, registered for every GPU but those of ``skip`` (left in
+        ``_xid_unwatched``): made in the first cycle of an initialization, and again in every
+        cycle after one where it could not be made, an error each time (no XID is read without
+        it). Made in ``_ensure_ready``, a count failing after it left it unfreed, and a failure
+        there or in ``_remake_events`` left the collector without a set, no XID read and no
+        error, until NVML was initialized again."""
+        nv = self.nvml
+        try:
+            events = nv.nvmlEventSetCreate()
+        except nv.NVMLError as e:
+            errors.append(f"xid events: nvmlEventSetCreate failed, no XID is read: {e} "
+                          "(retried next cycle)")
+            return
+        self._xid_unwatched |= skip
+        self._register_xids(events, [i for i in range(count) if i not in skip])
+        self._events = events
 
     def _remake_events(self, count: int, errors: list[str]) -> None:
         nv = self.nvml
@@ -377,15 +411,8 @@ class GpuCollector:
         except nv.NVMLError:
             pass
         self._events = None
-        self._xid_unwatched |= self._down_gpus
-        try:
-            events = nv.nvmlEventSetCreate()
-            self._register_xids(events, [i for i in range(count) if i not in self._down_gpus])
-        except nv.NVMLError as e:
-            errors.append(f"xid events: a GPU is lost and the event set could not be made anew: {e}")
-            return
-        self._events = events
-        if self._xid_unwatched:
+        self._make_events(count, errors, skip=self._down_gpus)
+        if self._events is not None and self._xid_unwatched:
             log.warning("xid events: a GPU is lost (nvmlEventSetWait_v2 answers GPU_IS_LOST); the XIDs "
                         "of gpu %s are not read until it answers again, those of the other GPUs are",
                         ", ".join(f"{i} ({self._uuids.get(i, '?')})" for i in sorted(self._xid_unwatched)))
