@@ -132,6 +132,47 @@ def test_the_longest_compute_accepted_gives_records_the_daemons_take(receivers):
     assert len(by_kind(rx, HeartbeatRecord)) == truth.heartbeat_records > 0
 
 
+def daemon_views(records):
+    """What a daemon holds of each rank after each step record: the phase and time in it of its
+    latest heartbeat, its highest step and collective sequence."""
+    from syncwatch.daemon.config import DaemonConfig
+    from syncwatch.daemon.state import State
+    state = State(DaemonConfig(socket=None))
+    views = []
+    for rec in records:
+        state.apply(rec)
+        if isinstance(rec, StepRecord):
+            r = state.jobs[rec.identity.train_job].ranks[rec.identity.rank]
+            views.append((rec.identity.rank, rec.step, r.hb_phase, pytest.approx(r.hb_elapsed),
+                          r.last_step, r.seq))
+    return views
+
+
+def test_fast_mode_bounds_the_heartbeats_of_a_long_step(receivers, monkeypatch):
+    """A heartbeat every ``heartbeat_every`` virtual seconds of a long step: compute_seconds=5e5
+    sent over a million records for 5 steps, for minutes, where the daemon keeps only what the
+    step's last heartbeat says (phase, time in it, step, collective sequence; no time of it). Fast
+    mode now sends at most MAX_FAST_HEARTBEATS_PER_STEP per rank and step, spread over it and the
+    last one kept: the daemon holds the same after every step as with all of them."""
+    from syncwatch.sim import driver
+    params = {"compute_seconds": 300.0}
+    rx = receivers(2)
+    truth = run_scenario("healthy", nodes=1, ranks_per_node=2, steps=4, sockets=[rx[0].path],
+                         start_wall=START, heartbeat_every=1.0, params=params)
+    rx[0].wait_for(truth.records_sent)
+    beats = by_kind(rx[:1], HeartbeatRecord)
+    assert 0 < len(beats) == truth.heartbeat_records <= 4 * 2 * driver.MAX_FAST_HEARTBEATS_PER_STEP
+    assert {h.phase for h in beats} >= {"data", "forward", "backward", "sync"}
+    monkeypatch.setattr(driver, "MAX_FAST_HEARTBEATS_PER_STEP", 10**9)  # every heartbeat
+    every = run_scenario("healthy", nodes=1, ranks_per_node=2, steps=4, sockets=[rx[1].path],
+                         start_wall=START, heartbeat_every=1.0, params=params)
+    rx[1].wait_for(every.records_sent, timeout=60)
+    assert every.heartbeat_records > 4 * 2 * 300
+    assert rx[0].errors == rx[1].errors == []
+    assert daemon_views(rx[0].records) == daemon_views(rx[1].records)
+    assert truth.reported == every.reported
+
+
 @pytest.mark.parametrize("seconds,expected", [(0.0, [50, 100, 120]),
                                               (12.0, [50, 60, 70, 80, 90, 100, 110, 120])])
 def test_slack_arrives_window_by_window(receivers, seconds, expected):

@@ -17,8 +17,10 @@ Clocks: ``fast=True`` runs on a virtual clock (no sleeping; wall times are ``sta
 seconds, so a fixed ``start_wall`` makes every record deterministic) and sends in strict order: a
 record that meets the Unix socket's full 11-datagram queue is retried by its sender's thread and
 the driver waits for it to leave before the next record, so nothing is lost or reordered and the
-daemon's state is the same on every run. ``fast=False`` sleeps so each step takes its
-simulated time x ``time_scale`` and stamps records with the real wall clock (the demo).
+daemon's state is the same on every run; a long step carries at most
+``MAX_FAST_HEARTBEATS_PER_STEP`` heartbeats per rank, its last one among them. ``fast=False``
+sleeps so each step takes its simulated time x ``time_scale`` and stamps records with the real
+wall clock (the demo).
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ from .model import (I_CKPT, I_EVAL, I_SYNC, Model, Params, Restart, StepTruth,
 N_PHASES = len(PHASES)
 # a simulated rank reports its local rank as its GPU index, which the protocol bounds
 MAX_RANKS_PER_NODE = MAX_GPU
+# Fast mode sends at most this many heartbeats per rank and step, spread over it. The daemon keeps
+# a heartbeat's phase and time in it until the next record, the highest step and collective
+# sequence, and no time of it: the step's last heartbeat sets what the others would have. One
+# every ``heartbeat_every`` seconds of a step of 5e5 s sent 100000 per rank and step, for minutes.
+MAX_FAST_HEARTBEATS_PER_STEP = 20
 
 
 def node_name(prefix: str, n: int) -> str:
@@ -293,6 +300,19 @@ class Driver:
 
     def _heartbeats_during(self, s: StepTruth, stop) -> bool:
         end = s.start + s.step_seconds
+        if self.fast and self._next_heartbeat < end:
+            first, every = self._next_heartbeat, self.heartbeat_every
+            due = math.ceil((end - first) / every)  # first + j every for j < due: before the end
+            while due > 1 and first + (due - 1) * every >= end:
+                due -= 1
+            while first + due * every < end:
+                due += 1
+            if due > MAX_FAST_HEARTBEATS_PER_STEP:  # every stride-th, the step's last one kept
+                stride = -(-due // MAX_FAST_HEARTBEATS_PER_STEP)
+                for j in range((due - 1) % stride, due, stride):
+                    self._heartbeat(s, first + j * every)
+                self._next_heartbeat = first + due * every
+                return not (stop is not None and stop.is_set())
         while self._next_heartbeat < end:
             t = self._next_heartbeat
             if not self._wait_until(t, stop):
