@@ -91,7 +91,7 @@ class Sandbox:
         from syncwatch.rules.render import write as write_rules
         from syncwatch.sim.hardware import SimulatedHardware
         from syncwatch.sim.scenarios import ScenarioThread
-        from syncwatch.stack import Prometheus
+        from syncwatch.stack import Prometheus, wait_until
 
         try:
             targets: dict[str, list[dict]] = {}
@@ -102,9 +102,6 @@ class Sandbox:
                     hw = hardware[job.train_job] = SimulatedHardware(
                         job.nodes, job.ranks_per_node, job.node_prefix, period=self.scrape_interval / 2)
                     self.hardware.append(hw)
-                    if job.scenario == "straggler":
-                        rank, _, local = self.straggler(job)
-                        hw.nodes[rank // job.ranks_per_node].nvml.xid(local, 13)  # graphics engine exception
                 for n in range(job.nodes):
                     extra = ()
                     if job.hardware:
@@ -116,6 +113,12 @@ class Sandbox:
                     self.daemons.append(daemon)
                     self.urls.append(running.url)
                     targets[job.train_job].append({"socket": running.socket_path})
+            for job in self.jobs:  # an XID on the straggler's GPU, once its collector watches for XIDs
+                if job.hardware and job.scenario == "straggler":
+                    rank, _, local = self.straggler(job)
+                    nvml = hardware[job.train_job].nodes[rank // job.ranks_per_node].nvml
+                    wait_until(lambda: nvml.watching(local), 20, what="the GPU collector's XID event set")
+                    nvml.xid(local, 13)  # graphics engine exception
             rule_files = write_rules(self.workdir / "rules", self.rule_scale)
             scrape = f"{self.scrape_interval:g}s"
             self.prometheus = Prometheus([u.split("//", 1)[1] for u in self.urls],

@@ -86,6 +86,12 @@ class FakeNvml:
                 if gpu in registered:
                     pending.append((gpu, xid))
 
+    def watching(self, gpu: int) -> bool:
+        """Whether an event set is registered for ``gpu``: an XID queued before gets lost, as with
+        NVML, which delivers no event that came before the registration."""
+        with self._lock:
+            return any(gpu in registered for _, registered, _ in self._sets.values())
+
     # --- module attributes ----------------------------------------------------------------------
 
     def __getattr__(self, name: str):
