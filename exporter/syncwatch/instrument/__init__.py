@@ -61,10 +61,23 @@ step = _state.notes.step
 ``tokens``); ``step`` = the job's own step number (default: the previous one + 1)."""
 
 
+# what an exchange_every / exchange_seconds is, given or in the environment: (valid, expected)
+_STEPS_OK = (lambda k: k >= 0, "0 (off) or a number of steps")
+_SECONDS_OK = (lambda s: s >= 0, "0, a positive number or inf")
+
+
+def _checked(name: str, shown, value, default, valid, expected: str):
+    """``value`` where ``valid`` takes it; else ``default``, with a warning that names ``name``.
+    An out-of-range value was taken as it came: a heartbeat of -1 or ``nan`` sent none, a
+    negative K turned the exchange off, without a word."""
+    if value is not None and valid(value):
+        return value
+    log.warning("syncwatch: ignoring %s=%r (expected %s): using %g", name, shown, expected, default)
+    return default
+
+
 def _env_number(name: str, conv, default, valid, expected: str):
-    """``$name`` as ``conv`` gives it, where ``valid`` takes it; else ``default``, with a warning
-    that names the variable. An out-of-range value was taken as it came: a heartbeat of -1 or
-    ``nan`` (or 0) sent none, a negative K turned the exchange off, without a word."""
+    """``$name`` as ``conv`` gives it, checked as ``_checked`` does; ``default`` where unset."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -72,27 +85,18 @@ def _env_number(name: str, conv, default, valid, expected: str):
         value = conv(raw)
     except ValueError:
         value = None
-    if value is not None and valid(value):
-        return value
-    log.warning("syncwatch: ignoring %s=%r (expected %s): using %g", name, raw, expected, default)
-    return default
+    return _checked(name, raw, value, default, valid, expected)
 
 
 def _arg_number(name: str, value, conv, default, valid, expected: str):
-    """``init()``'s argument ``name`` as ``conv`` gives it, where ``valid`` takes it; else
-    ``default``, with a warning that names it, as ``_env_number`` does for the variables (the
-    variable not consulted in its place). An argument was taken as it came: a heartbeat of -1
-    or ``nan`` sent none, a negative K turned the exchange off, without a word, and a string
-    (``heartbeat_seconds="5"``) stopped the records thread: no record sent at all."""
+    """``init()``'s argument ``name`` as ``conv`` gives it, checked as ``_checked`` does (the
+    variable not consulted in its place). A string (``heartbeat_seconds="5"``) is refused: taken
+    as it came, it stopped the records thread, and no record was sent at all."""
     try:
         x = None if isinstance(value, (bool, str, bytes)) else conv(value)
     except (TypeError, ValueError, OverflowError):
         x = None
-    if x is not None and valid(x):
-        return x
-    log.warning("syncwatch: ignoring %s=%r (expected %s): using %g", name, value, expected,
-                default)
-    return default
+    return _checked(name, value, x, default, valid, expected)
 
 
 def init(*, job: str | None = None, attempt: int | None = None, node: str | None = None,
@@ -183,12 +187,10 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
         clock = CudaEventClock(device=gpu) if device == "cuda" else HostClock()
     if exchange_every is not None:
         exchange_every = _arg_number("exchange_every", exchange_every, operator.index,
-                                     DEFAULT_EXCHANGE_EVERY, lambda k: k >= 0,
-                                     "0 (off) or a number of steps")
+                                     DEFAULT_EXCHANGE_EVERY, *_STEPS_OK)
     if exchange_seconds is not None:
         exchange_seconds = _arg_number("exchange_seconds", exchange_seconds, float,
-                                       EXCHANGE_SECONDS, lambda s: s >= 0,
-                                       "0, a positive number or inf")
+                                       EXCHANGE_SECONDS, *_SECONDS_OK)
     if heartbeat_seconds is not None:
         heartbeat_seconds = _arg_number("heartbeat_seconds", heartbeat_seconds, float,
                                         DEFAULT_HEARTBEAT_SECONDS,
@@ -196,10 +198,10 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
                                         "0 (off) or a positive number of seconds")
     if exchange_every is None:
         exchange_every = _env_number("SYNCWATCH_SKEW_EVERY", int, DEFAULT_EXCHANGE_EVERY,
-                                     lambda k: k >= 0, "0 (off) or a number of steps")
+                                     *_STEPS_OK)
     if exchange_seconds is None:
         exchange_seconds = _env_number("SYNCWATCH_SKEW_SECONDS", float, EXCHANGE_SECONDS,
-                                       lambda s: s >= 0, "0, a positive number or inf")
+                                       *_SECONDS_OK)
     if heartbeat_seconds is None:
         heartbeat_seconds = _env_number("SYNCWATCH_HEARTBEAT", float, DEFAULT_HEARTBEAT_SECONDS,
                                         lambda s: 0 < s < math.inf,
