@@ -375,8 +375,8 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
     # its checkpoints in two daemons' series, whose ratio is still the mean cost (0 / 0: None).
     # The count took the larger series: 13 of the 23 checkpoints, next to the cost of all 23
     checkpoints = prom.scalar(f"sum(increase(syncwatch_checkpoints_total{{{sel}}}[{span:.0f}s]))", end)
-    checkpoint_cost = prom.scalar(f"sum(increase(syncwatch_checkpoint_seconds_total{{{sel}}}[{span:.0f}s])) / "
-                                  f"sum(increase(syncwatch_checkpoints_total{{{sel}}}[{span:.0f}s]))", end)
+    saving = prom.scalar(f"sum(increase(syncwatch_checkpoint_seconds_total{{{sel}}}[{span:.0f}s]))", end)
+    checkpoint_cost = saving / checkpoints if saving is not None and checkpoints else None
     # the job counters at the range start; none there: the job (or the rank-0 daemon, which
     # counts from zero) started inside the range
     at_start = {name: prom.scalar(f"max(syncwatch_job_{name}_total{{{sel}}})", start, default=0.0)
