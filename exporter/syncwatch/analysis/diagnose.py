@@ -414,7 +414,7 @@ def detect_oscillation(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
 def detect_fabric(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
     coll = v.collective_series()
     vals = _vals(coll)
-    if len(vals) < 4:
+    if len(vals) < FEW_WINDOWS:
         return []
     base = statistics.quantiles(vals, n=5)[0]  # quiet windows: episodes may fill half of them
     if base <= 0:
