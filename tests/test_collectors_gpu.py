@@ -4,6 +4,9 @@ pynvml of this machine (no driver: NVML absent)."""
 from __future__ import annotations
 
 import logging
+import shutil
+import subprocess
+import time
 
 import pynvml
 import pytest
@@ -11,7 +14,7 @@ import pytest
 from collector_helpers import check_golden, promtool_check, registry_of, render
 from syncwatch.collectors import CollectorRunner, NoData
 from syncwatch.collectors.fake_nvml import FakeNvml, healthy_node
-from syncwatch.collectors.gpu import GpuCollector
+from syncwatch.collectors.gpu import THROTTLE_REASONS, GpuCollector
 
 N = pynvml
 UUID3 = healthy_node()[3].uuid
@@ -475,3 +478,53 @@ def test_xids_counted_before_the_uuid_was_read_take_it_once_known():
     assert reg.get_sample_value(xids, labels(3, xid="79")) == 1
     assert reg.get_sample_value(stamp, labels(3, xid="79")) is not None
     assert 'uuid=""' not in render(families)
+
+
+def _smi(fields: str) -> list[list[str]]:
+    """``nvidia-smi --query-gpu=<fields>``: one row per GPU, in NVML's order."""
+    out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    return [[c.strip() for c in line.split(",")] for line in out.strip().splitlines()]
+
+
+def test_real_nvml_reads_this_machines_gpus():
+    """The real pynvml on a machine with a GPU (skipped without one): every GPU is up and
+    exported under its own index and UUID, without a collector error (an NVML call that the
+    driver refuses here, other than NOT_SUPPORTED, is one), in the units nvidia-smi reads: °C,
+    W, Hz; energy grows at about the power drawn; the rank's UUID from torch is NVML's, so the
+    rules join the ranks to their GPUs."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        pytest.skip("no NVML here (no GPU driver)")
+    pynvml.nvmlShutdown()
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("nvidia-smi not found")
+    collector = GpuCollector()  # the real pynvml
+    try:
+        first, errors, _ = cycle(collector)
+        assert errors == []
+        time.sleep(2.0)
+        second, errors, families = cycle(collector)
+        assert errors == []
+    finally:
+        collector.close()
+    smi = _smi("index,uuid,temperature.gpu,power.draw,clocks.max.sm")
+    a, b = first.get_sample_value, second.get_sample_value
+    for index, uuid, temp, watts, max_mhz in smi:
+        gpu = {"gpu": index, "uuid": uuid}
+        assert b("syncwatch_gpu_up", gpu) == 1, gpu
+        assert b("syncwatch_gpu_temperature_celsius", gpu) == pytest.approx(float(temp), abs=5)
+        power = b("syncwatch_gpu_power_watts", gpu)
+        assert power == pytest.approx(float(watts), rel=0.3, abs=15)
+        assert 0 < b("syncwatch_gpu_sm_clock_hertz", gpu) <= float(max_mhz) * 1e6
+        assert 0 <= b("syncwatch_gpu_utilization_ratio", gpu) <= 1
+        joules = b("syncwatch_gpu_energy_joules_total", gpu) - a("syncwatch_gpu_energy_joules_total", gpu)
+        assert 0.5 * 2.0 * power < joules < 2.0 * 2.5 * power, (joules, power)  # 2 s at that power
+        reasons = [s for f in families if f.name == "syncwatch_gpu_throttle_active"
+                   for s in f.samples if s.labels["uuid"] == uuid]
+        assert len(reasons) == len(THROTTLE_REASONS) + 1 and {s.value for s in reasons} <= {0, 1}
+    torch = pytest.importorskip("torch")
+    from syncwatch.instrument.identity import cuda_uuid
+    if torch.cuda.is_available():
+        assert {cuda_uuid(i) for i in range(torch.cuda.device_count())} <= {row[1] for row in smi}
