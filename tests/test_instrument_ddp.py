@@ -23,6 +23,7 @@ from syncwatch.daemon.config import DaemonConfig  # noqa: E402
 
 WORKER = str(Path(__file__).parent / "instrument" / "ddp_worker.py")
 RESUME_WORKER = str(Path(__file__).parent / "instrument" / "resume_worker.py")
+CUDA_WORKER = str(Path(__file__).parent / "instrument" / "cuda_worker.py")
 DELAY = 0.04
 
 
@@ -663,3 +664,64 @@ def test_a_slurm_requeue_of_torchrun_is_a_later_attempt(daemon, sock_path, tmp_p
     assert m.value("syncwatch_job_attempt", train_job=job) == 4  # Slurm's 1 x (3 + 1) + 0
     assert m.value("syncwatch_job_restarts_total", train_job=job) == 1
     assert m.value("syncwatch_job_rerun_steps_total", train_job=job) == 10
+
+
+def test_a_device_straggler_is_named_on_the_cuda_clock(sock_path, tmp_path):
+    """CUDA (skipped without a GPU): two gloo ranks train on the GPU, and rank 1's forward queues
+    a kernel that spins ``delay`` on the device while its host goes on. Timed on CUDA events,
+    rank 1's forward holds the delay, rank 0 waits it in the gradient sync, and the exchange
+    names rank 1 (on a host clock both ranks' hosts wait in the sync, and neither forward is
+    slow). The daemon reads the GPUs through the real NVML, and each rank's GPU UUID is one
+    of NVML's: the join of the ranks to their GPUs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from syncwatch.collectors import CollectorRunner
+    from syncwatch.collectors.gpu import GpuCollector
+    job, steps, delay = "cuda-straggler", 60, 0.02
+    gpus = CollectorRunner({"gpu": GpuCollector()}, interval=0.5, timeout=5)
+    with daemon_app.DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=sock_path),
+                                 extra_collectors=[gpus]) as daemon:
+        procs = launch(2, ["--steps", str(steps), "--slow-rank", "1", "--delay", str(delay)],
+                       tmp_path, job, script=CUDA_WORKER, SYNCWATCH_SOCKET=sock_path,
+                       SYNCWATCH_JOB=job, SYNCWATCH_SKEW_EVERY="20", SYNCWATCH_DEVICE="cuda")
+        finish(procs, tmp_path, job, timeout=180)
+        m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job)
+                         == {0: steps, 1: steps} and every_window_in(m, job, steps))
+    assert m.by_rank("syncwatch_steps_total", train_job=job) == {0: steps, 1: steps}
+    forward = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="forward")
+    sync = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="sync")
+    spun = (forward[1] - forward[0]) / steps  # the device delay as rank 1's forward timed it
+    assert spun == pytest.approx(delay, rel=0.3), forward
+    assert sync[0] / steps == pytest.approx(spun, rel=0.25), (sync, spun)
+    assert sync[1] / steps < 0.25 * spun, (sync, spun)
+    last = m.by_rank("syncwatch_last_arrivals_total", train_job=job)
+    exchanged = sum(last.values())
+    assert last[1] >= 0.9 * exchanged, last
+    slack = m.by_rank("syncwatch_slack_seconds_total", train_job=job)
+    assert slack[0] / exchanged == pytest.approx(spun, rel=0.25), (slack, spun)
+    ranks = {s.labels["uuid"] for s in m.get("syncwatch_rank_info", train_job=job)}
+    nvml = {s.labels["uuid"] for s in m.get("syncwatch_gpu_up") if s.value == 1}
+    assert ranks and ranks <= nvml, (ranks, nvml)
+
+
+def test_zero_code_under_nccl_times_on_the_gpu(daemon, sock_path, tmp_path):
+    """CUDA (skipped without a GPU): an unmodified NCCL DDP script, one rank, under
+    ``syncwatch-run``. NCCL makes CUDA events the clock by default: the kernel that spins
+    ``delay`` on the device before each call of the model, which the host only queues, is the
+    step's ``data`` time (since the optimizer step), and the rank reports its GPU's UUID."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from syncwatch.instrument.identity import cuda_uuid
+    job, steps, delay = "zc-nccl", 30, 0.02
+    torchrun(tmp_path, sock_path, ["--steps", str(steps), "--backend", "nccl", "--instrument",
+                                   "none", "--slow-rank", "0", "--delay", str(delay)],
+             job, world=1, script=CUDA_WORKER)
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job)
+                     == {0: steps})
+    assert m.by_rank("syncwatch_steps_total", train_job=job) == {0: steps}
+    data = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="data")[0]
+    # the first step starts at the first forward: the spin before it is no step's
+    assert 0.7 * (steps - 1) * delay <= data <= 1.3 * steps * delay, data
+    assert m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="forward")[0] > 0
+    (info,) = m.get("syncwatch_rank_info", train_job=job)
+    assert info.labels["uuid"] == cuda_uuid(0) != ""
