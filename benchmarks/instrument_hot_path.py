@@ -1,6 +1,7 @@
 """Training-thread cost of the instrumentation per step: six phases, a DDP backward, the record.
 
     python benchmarks/instrument_hot_path.py [--steps 10000] [--find-unused] [--hidden 4 --batch 2]
+                                             [--device cuda]
 
 What is timed is what a training thread runs per step: a forward and a backward through a small
 DDP model (one gloo rank in this process, 8 parameters; the hook-free path watches 1 of them, or
@@ -17,6 +18,12 @@ another process (like the daemon), or to nobody (daemon absent). Then: the phase
 hot loop (caches warm), ``ddp_hook_wrapper`` around a trivial comm hook, the cost a script
 that registers its own hook adds per bucket, and a blocking collective through the collective
 wrapper, what each of FSDP's all-gathers and reduce-scatters pays.
+
+``--device cuda`` runs the same on the GPU: the model, its input and the collectives' tensors
+on it, one NCCL rank, and the marks are CUDA events recorded on the current stream (the
+instrumentation's clock for NCCL jobs); the host waits for the device after each timed step,
+outside the timing, so that the records thread finds the step's events passed, as it does a
+step or so later in training.
 """
 
 import argparse
@@ -37,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import syncwatch.instrument as sw  # noqa: E402
 from syncwatch.instrument import _state, notes  # noqa: E402
+from syncwatch.instrument.clock import CudaEventClock, HostClock  # noqa: E402
 from syncwatch.instrument.hooks import ddp_hook_wrapper, watch_gradients  # noqa: E402
 from syncwatch.instrument.monitor import MAX_ENTRIES, Monitor  # noqa: E402
 from syncwatch.protocol import Identity  # noqa: E402
@@ -47,11 +55,19 @@ READER = "import socket,sys\ns=socket.socket(socket.AF_UNIX,socket.SOCK_DGRAM)\n
          "print('ready',flush=True)\nwhile True: s.recv(4096)\n"
 ARMS = ("base", "noop", "calls", "full")
 BLOCK = 500  # steps between swaps of the two models' roles (watched / plain)
+DEVICE = "cpu"  # --device
+
+
+def new_monitor(path: str, heartbeat_seconds: float) -> Monitor:
+    """The rank's monitor, sending to ``path``, with the clock of ``DEVICE``."""
+    clock = CudaEventClock(device=0) if DEVICE == "cuda" else HostClock()
+    return Monitor(Identity("bench", 0, 0, 0, 4, "n1", os.getpid()), Sender(path),
+                   clock=clock, heartbeat_seconds=heartbeat_seconds)
 
 
 def make_model(find_unused: bool, hidden: int):
     torch.manual_seed(0)
-    return DDP(nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(4)]),
+    return DDP(nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(4)]).to(DEVICE),
                find_unused_parameters=find_unused)
 
 
@@ -93,8 +109,7 @@ def measure(n: int, path: str, models, x) -> tuple[dict, float]:
     nothing initialized (no-op); instrumented, model not watched; fully instrumented. The two
     models swap roles (watched / plain) every BLOCK steps, so that their own difference (memory
     placement, of the order of the gradient wait's cost) cancels."""
-    ident = Identity("bench", 0, 0, 0, 4, "n1", os.getpid())
-    monitor = Monitor(ident, Sender(path), heartbeat_seconds=5.0)
+    monitor = new_monitor(path, heartbeat_seconds=5.0)
     arms = {arm: [] for arm in ARMS}
     rng = random.Random(0)
     for block in range(max(n // BLOCK, 2)):
@@ -107,6 +122,8 @@ def measure(n: int, path: str, models, x) -> tuple[dict, float]:
                     watched if arm == "full" else plain, x)
                 if i >= 5:
                     arms[arm].append(t)
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()  # outside the timing
         handle.remove()
     _state.set_monitor(None)
     # the records thread's own CPU (replay, encoding, send) per step it recorded
@@ -124,8 +141,7 @@ def warm_cost(n: int, path: str, rounds: int = 5) -> float:
     minus the same loop with nothing initialized: us per step, best of ``rounds``. Timed in
     chunks whose entries fit the monitor's queue, flushed in between, outside the timing (a
     tight loop outruns the records thread's 0.2 s period)."""
-    monitor = Monitor(Identity("bench", 0, 0, 0, 4, "n1", os.getpid()), Sender(path),
-                      heartbeat_seconds=0)
+    monitor = new_monitor(path, heartbeat_seconds=0)
     chunk = MAX_ENTRIES // (2 * len(PHASES) + 1)  # steps: two entries a phase, one a step
     best = {}
     for m in (None, monitor) * rounds:
@@ -139,6 +155,8 @@ def warm_cost(n: int, path: str, rounds: int = 5) -> float:
                         pass
                 sw.step(32)
             spent += time.perf_counter_ns() - t0
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()  # the events passed: the flush resolves them
             monitor.flush()
         per = spent / n / 1000
         best[m is None] = min(best.get(m is None, per), per)
@@ -154,10 +172,9 @@ def inner_hook(state, bucket):
 
 
 def wrapper_cost(n: int, path: str, rounds: int = 5) -> tuple[float, float]:
-    bucket = torch.zeros(4)
+    bucket = torch.zeros(4, device=DEVICE)
     wrapped = ddp_hook_wrapper(inner_hook)
-    monitor = Monitor(Identity("bench", 0, 0, 0, 4, "n1", os.getpid()), Sender(path),
-                      heartbeat_seconds=0)
+    monitor = new_monitor(path, heartbeat_seconds=0)
     _state.set_monitor(monitor)
     base, inst = [], []
     for _ in range(rounds):
@@ -166,21 +183,27 @@ def wrapper_cost(n: int, path: str, rounds: int = 5) -> tuple[float, float]:
             for _ in range(n):
                 hook(None, bucket).wait()
             out.append((time.perf_counter_ns() - t0) / n / 1000)
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
             monitor.flush()  # outside the timing: 5 rounds' entries overflowed the queue
     _state.set_monitor(None)
     monitor.shutdown()
     return min(base), min(inst)
 
 
+def gather_name() -> str:
+    """FSDP2's all-gather in torch 2.13, ``all_gather_single``; FSDP1's before it."""
+    return "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
 def collective_cost(n: int, path: str, rounds: int = 5) -> tuple[float, float]:
-    """A blocking ``all_gather_single`` (FSDP's) on the one-rank gloo group, torch's own and
+    """A blocking all-gather (FSDP's, ``gather_name()``) on the one-rank group, torch's own and
     through the collective wrapper: us per call, best of ``rounds``."""
-    out, inp = torch.zeros(4), torch.ones(4)
-    monitor = Monitor(Identity("bench", 0, 0, 0, 4, "n1", os.getpid()), Sender(path),
-                      heartbeat_seconds=0)
+    out, inp = torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)
+    monitor = new_monitor(path, heartbeat_seconds=0)
     _state.set_monitor(monitor)
     handle = sw.register(collectives=True)
-    wrapped = dist.all_gather_single
+    wrapped = getattr(dist, gather_name())
     plain = wrapped._syncwatch_original
     base, inst = [], []
     for _ in range(rounds):
@@ -189,6 +212,8 @@ def collective_cost(n: int, path: str, rounds: int = 5) -> tuple[float, float]:
             for _ in range(n):
                 fn(out, inp)
             times.append((time.perf_counter_ns() - t0) / n / 1000)
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
             monitor.flush()  # outside the timing: the entries fit the queue
     handle.remove()
     _state.set_monitor(None)
@@ -205,14 +230,23 @@ def main():
                         "the plain and watched models are two instances, whose own difference "
                         "(memory placement) is then of the order of the gradient wait's cost")
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the model on GPU 0, one NCCL rank, CUDA-event marks")
     a = p.parse_args()
+    global DEVICE
+    DEVICE = a.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA GPU here")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
     models = make_model(a.find_unused, a.hidden), make_model(a.find_unused, a.hidden)
-    x = torch.randn(a.batch, a.hidden)
+    x = torch.randn(a.batch, a.hidden, device=DEVICE)
     with watch_gradients(models[0]):
         hooked = sum(bool(p._post_accumulate_grad_hooks) for p in models[0].parameters())
-    print(f"hooked parameters: {hooked} of 8; notes in {notes.IMPLEMENTATION}; "
+    print(f"device {DEVICE}; hooked parameters: {hooked} of 8; notes in {notes.IMPLEMENTATION}; "
           f"load average {os.getloadavg()[0]:.1f}")
     d = tempfile.mkdtemp(prefix="swb-")
     live = os.path.join(d, "live.sock")
@@ -236,7 +270,7 @@ def main():
         print(f"ddp_hook_wrapper around a trivial comm hook: {base:.2f} -> {inst:.2f} us per "
               f"bucket (+{inst - base:.2f} us)")
         base, inst = collective_cost(a.steps, os.path.join(d, "absent.sock"))
-        print(f"a blocking collective (all_gather_single, 1 rank) through the wrapper: "
+        print(f"a blocking collective ({gather_name()}, 1 rank) through the wrapper: "
               f"{base:.2f} -> {inst:.2f} us per call (+{inst - base:.2f} us)")
     finally:
         reader.kill()
