@@ -1,5 +1,5 @@
 """GPU collector against the fake NVML (pynvml's names, types and NVMLError codes) and the real
-pynvml of this machine (no driver: NVML absent)."""
+pynvml of this machine (without a driver: NVML absent; with a GPU: read against nvidia-smi)."""
 
 from __future__ import annotations
 
