@@ -145,6 +145,20 @@ def test_link_flapping():
     assert v("syncwatch_ib_port_rate_bytes", {"device": "mlx5_1", "port": "1"}) == 25e9
 
 
+def test_ib_port_states_active_and_active_defer_are_up(tmp_path):
+    """The kernel prints ``<n>: <name>`` for the IBTA port states 1-5; ACTIVE_DEFER (5) is an
+    active port (it read as down: not ending in "ACTIVE")."""
+    states = ["1: DOWN", "2: INIT", "3: ARMED", "4: ACTIVE", "5: ACTIVE_DEFER"]
+    for port, state in enumerate(states, 1):
+        ib_port(tmp_path, "mlx5_0", port, link_layer="InfiniBand", state=state)
+    errors: list[str] = []
+    v = registry_of(InfinibandCollector(str(tmp_path)).update(errors)).get_sample_value
+    assert errors == []
+    up = [v("syncwatch_ib_port_up", {"device": "mlx5_0", "port": str(p)}) for p in range(1, 6)]
+    assert up == [0, 0, 0, 1, 1]
+    assert v("syncwatch_ib_port_rate_bytes", {"device": "mlx5_0", "port": "5"}) == 25e9
+
+
 def test_missing_counters_drop_only_their_series():
     reg = registry_of(collect(SYSFS / "missing_counters")[0])
     v = reg.get_sample_value

@@ -18,6 +18,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .base import CollectorOptions, NoData, register
 from .sysfs import Absent, Unreadable, label_value, list_dir, read_int, read_or_none, read_text
 
+# The IBTA port states a link carries traffic in: the kernel prints "4: ACTIVE", "5: ACTIVE_DEFER"
+_ACTIVE = ("ACTIVE", "ACTIVE_DEFER")
+
 # counters/<file> -> metric name (without _total) and help
 _PORT_COUNTERS = {
     "port_xmit_wait": ("syncwatch_ib_port_xmit_wait",
@@ -68,7 +71,8 @@ class InfinibandCollector:
         retrans = CounterMetricFamily("syncwatch_roce_retransmits",
                                       "Events that made the sender retransmit, by reason.",
                                       labels=["device", "port", "reason"])
-        up = GaugeMetricFamily("syncwatch_ib_port_up", "1 if the port state is ACTIVE.", labels=dp)
+        up = GaugeMetricFamily("syncwatch_ib_port_up", "1 if the port state is ACTIVE or ACTIVE_DEFER.",
+                               labels=dp)
         rate = GaugeMetricFamily("syncwatch_ib_port_rate_bytes", "Port rate in bytes per second.", labels=dp)
 
         def value(path: str, read=read_int):
@@ -105,7 +109,7 @@ class InfinibandCollector:
                         retrans.add_metric([*labels, reason], v)
                 state = value(os.path.join(base, "state"), read_text)  # "4: ACTIVE"
                 if state is not None:
-                    up.add_metric(labels, 1 if state.endswith("ACTIVE") else 0)
+                    up.add_metric(labels, 1 if state.partition(":")[2].strip() in _ACTIVE else 0)
                 if state is not None and state.endswith("DOWN"):
                     continue  # no link, no rate: the kernel's rate reads SDR, its default
                 text = value(os.path.join(base, "rate"), read_text)
