@@ -14,7 +14,7 @@ import pytest
 from conftest import subprocess_env
 from syncwatch.instrument import identity as ident_mod
 from syncwatch.instrument import run as run_mod
-from syncwatch.instrument.clock import CudaEventClock, HostClock, stream_lookup
+from syncwatch.instrument.clock import CudaEventClock, HostClock
 from syncwatch.instrument.monitor import Monitor
 from syncwatch.protocol import (MAX_ATTEMPT, PHASE_INDEX, EndRecord, HeartbeatRecord, Identity,
                                 StepRecord)
@@ -911,35 +911,30 @@ class FakeEvent:
 
 
 def test_a_mark_records_on_the_stream_current_on_its_thread():
-    """The stream comes from the cheap lookup (below), not from the event's own default."""
-    streams = {"main": FakeStream(), "side": FakeStream()}
-    current = ["main"]
-    given = []
-
-    class Event(FakeEvent):
-        def record(self, stream=None):
-            given.append(stream)
-            super().record(stream)
-
-    clock = CudaEventClock(lambda: Event(streams["main"]), current_stream=lambda: current[0])
-    clock.mark()
-    current[0] = "side"
-    clock.mark()
-    assert given == ["main", "side"]
-
-
-def test_the_current_stream_is_looked_up_by_device_and_raw_handle():
-    """``stream_lookup`` answers what ``torch.cuda.current_stream()`` would, making each stream
-    object once: a switch of stream (``torch.cuda.stream(side)``) or of device gives that
-    stream, and the legacy default stream, handle 0 on every device, is each device's own."""
+    """A mark records on what ``torch.cuda.current_stream()`` would answer, looked up by the
+    current device and the stream's raw handle, each stream object made once: a switch of
+    stream (``torch.cuda.stream(side)``) or of device gives that stream, and the legacy default
+    stream, handle 0 on every device, is each device's own. Past ``MOST_STREAMS`` the cache
+    starts again and the answers stay right."""
     state = {"device": 0, "raw": {0: 0, 1: 0}}
-    made = []
+    made, recorded = [], []
 
-    def make(device):
+    def make_stream(device):
         made.append((device, state["raw"][device]))
         return made[-1]
 
-    current = stream_lookup(lambda: state["device"], lambda d: state["raw"][d], make, most=4)
+    def record(event, stream):
+        recorded.append(stream)
+        event.record(stream)
+
+    calls = (lambda: state["device"], lambda d: state["raw"][d], make_stream, record)
+    clock = CudaEventClock(lambda: FakeEvent(FakeStream()), stream_calls=calls)
+    clock.MOST_STREAMS = 4
+
+    def current():
+        clock.mark()
+        return recorded[-1]
+
     assert current() == (0, 0) and current() == (0, 0) and len(made) == 1
     state["raw"][0] = 0x7F00
     assert current() == (0, 0x7F00)
@@ -947,7 +942,7 @@ def test_the_current_stream_is_looked_up_by_device_and_raw_handle():
     assert current() == (0, 0) and len(made) == 2  # back to the default stream: cached
     state["device"] = 1
     assert current() == (1, 0)
-    for raw in (1, 2, 3):  # past most=4 streams the cache starts again, answers stay right
+    for raw in (1, 2, 3):
         state["raw"][1] = raw
         assert current() == (1, raw)
     state["device"] = 0

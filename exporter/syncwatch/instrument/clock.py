@@ -14,8 +14,12 @@ in ms.
 A mark is the hot path's cost on CUDA, 13 of them a step with six phases. Measured on an H100
 (``benchmarks/instrument_hot_path.py --device cuda``, torch 2.11): ``event.record()`` took 11.9
 us, 8.1 of them in ``torch.cuda.current_stream()``, which builds a Python stream object each
-call; the CUDA call itself (``cudaEventRecord``) takes 2.0. So the mark looks the current stream
-up by its raw handle (0.4 us) in a cache of stream objects: 3.4 us a mark.
+call; the CUDA call itself (``cudaEventRecord``) takes 2.0. So a mark calls torch's C
+functions directly: the current device and its current stream's raw handle (0.4 us together),
+the stream object from a cache keyed by both, and the C ``record`` under ``Event.record``: 3.5
+us a mark there, that sequence of calls timed in a warm loop (the hot-path figures in
+docs/instrumentation.md were taken with the lookup in a function of its own and
+``Event.record(stream)``: two Python frames more).
 """
 
 from __future__ import annotations
@@ -48,59 +52,48 @@ class HostClock:
         pass
 
 
-def stream_lookup(get_device, raw_stream, make_stream, most: int = 256):
-    """A function returning the calling thread's current CUDA stream, as
-    ``torch.cuda.current_stream()`` does, from a cache of stream objects keyed by the current
-    device and the stream's raw handle (``cudaStream_t``): the legacy default stream's handle is
-    0 on every device. Past ``most`` streams (a script making streams without end) the cache
-    starts again. Threads share it: a lookup that races a reset makes the stream again."""
-    streams: dict = {}
-
-    def current():
-        device = get_device()
-        key = device, raw_stream(device)
-        try:
-            return streams[key]
-        except KeyError:
-            if len(streams) >= most:
-                streams.clear()
-            stream = streams[key] = make_stream(device)
-            return stream
-
-    return current
-
-
-def _torch_current_stream():
-    """``torch.cuda.current_stream`` through ``stream_lookup`` where torch has the private
-    calls it reads (``torch._C._cuda_getDevice``, ``_cuda_getCurrentRawStream``, in torch since
-    1.10), else torch's own."""
+def torch_stream_calls():
+    """The four torch calls a mark makes: the current device, the current stream's raw handle
+    on a device (``cudaStream_t``), the current stream as an object, and recording an event on
+    a stream. torch's private calls where it has them (``torch._C._cuda_getDevice``,
+    ``_cuda_getCurrentRawStream``, ``_CudaEventBase.record``, in torch since 1.10: C functions,
+    no Python frame, which cost 1-3 us each after a backward has left the caches cold), else
+    its public ones."""
     import torch
     get_device = getattr(torch._C, "_cuda_getDevice", None)
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get_device is None or raw_stream is None:
-        return torch.cuda.current_stream
-    return stream_lookup(get_device, raw_stream, torch.cuda.current_stream)
+    base = getattr(torch._C, "_CudaEventBase", None)
+    if get_device is None or raw_stream is None or base is None:
+        return (torch.cuda.current_device,
+                lambda device: torch.cuda.current_stream(device).cuda_stream,
+                torch.cuda.current_stream, torch.cuda.Event.record)
+    return get_device, raw_stream, torch.cuda.current_stream, base.record
 
 
 class CudaEventClock:
     """CUDA events recorded on the current stream, recycled through a small pool.
 
-    ``current_stream``: the function giving the stream a mark records on (default: torch's
-    current stream, looked up cheaply; with ``event_factory`` given, None: the fake events
-    record on the stream they were made for). ``side_stream``: the context manager under
-    which the records thread reads a CUDA tensor (default: a stream of torch's pool, made
-    here)."""
+    ``stream_calls``: ``torch_stream_calls()``'s four (default: torch's, or, with
+    ``event_factory`` given, device 0's stream None: fake events record on the stream they were
+    made for). A mark looks the current stream up in a cache of stream objects keyed by the
+    current device and the stream's raw handle (the legacy default stream's is 0 on every
+    device), as ``torch.cuda.current_stream()`` would answer, without building the object each
+    call; past ``MOST_STREAMS`` (a script making streams without end) the cache starts again.
+    ``side_stream``: the context manager under which the records thread reads a CUDA tensor
+    (default: a stream of torch's pool, made here)."""
+
+    MOST_STREAMS = 256
 
     lazy = True
 
     def __init__(self, event_factory=None, pool_size: int = 512, device: int | None = None,
-                 side_stream=None, current_stream=None):
+                 side_stream=None, stream_calls=None):
         if event_factory is None:
             import torch
 
             def event_factory():
                 return torch.cuda.Event(enable_timing=True)
-            current_stream = current_stream or _torch_current_stream()
+            stream_calls = stream_calls or torch_stream_calls()
             if side_stream is None:
                 # Made here, at init() on the training thread. The first stream taken from a
                 # device's pool creates the pool, and that waits for the work queued on the
@@ -112,7 +105,9 @@ class CudaEventClock:
                 def side_stream():
                     return torch.cuda.stream(stream)
         self._factory = event_factory
-        self._current_stream = current_stream or _no_stream
+        self._get_device, self._raw_stream, self._make_stream, self._record = (
+            stream_calls or (_device_0, _raw_0, _no_stream, _record_method))
+        self._streams: dict = {}
         self._pool: list = []
         self._pool_size = pool_size
         self._device = device
@@ -131,8 +126,22 @@ class CudaEventClock:
             ev = self._pool.pop()  # atomic: marks are taken on several threads
         except IndexError:
             ev = self._factory()
-        ev.record(self._current_stream())  # the current stream of the calling thread
+        device = self._get_device()  # the calling thread's current stream, as torch's
+        key = device, self._raw_stream(device)
+        try:
+            stream = self._streams[key]
+        except KeyError:
+            stream = self._new_stream(key)
+        self._record(ev, stream)
         return ev
+
+    def _new_stream(self, key):
+        """The stream object of ``key``, made and cached. Threads share the cache: a lookup
+        that races a reset makes the stream again."""
+        if len(self._streams) >= self.MOST_STREAMS:
+            self._streams.clear()
+        stream = self._streams[key] = self._make_stream(key[0])
+        return stream
 
     def amount(self, value) -> float:
         """A step's samples or tokens as a number, read by the records thread once the step's
@@ -159,5 +168,17 @@ class CudaEventClock:
             self._pool.append(mark)
 
 
-def _no_stream():
+def _device_0():
+    return 0
+
+
+def _raw_0(device):
+    return 0
+
+
+def _no_stream(device):
     return None
+
+
+def _record_method(event, stream):
+    event.record(stream)
