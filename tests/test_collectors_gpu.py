@@ -234,8 +234,8 @@ def test_gpus_renumbered_after_nvml_comes_back_keep_their_own_uuids():
     cycle(collector)
     fake.xid(3, 79)
     cycle(collector)
+    fake.fall_off_bus(3)
     fake.initialized = 0  # the driver reloaded under us
-    del fake.gpus[3], fake._structs[3]
     with pytest.raises(RuntimeError, match="nvmlDeviceGetCount"):
         collector.update([])
     reg, errors, families = cycle(collector)
@@ -244,13 +244,126 @@ def test_gpus_renumbered_after_nvml_comes_back_keep_their_own_uuids():
     for index, gpu in enumerate(old[:3] + old[4:]):
         assert reg.get_sample_value("syncwatch_gpu_temperature_celsius",
                                     {"gpu": str(index), "uuid": gpu.uuid}) == gpu.temperature
-    assert UUID3 not in render([f for f in families if not f.name.startswith("syncwatch_gpu_xid_")])
+    # the lost GPU reads down under its own UUID and last index, with none of GPU 4's values
+    assert [line for line in render(families).splitlines()
+            if UUID3 in line and not line.startswith("syncwatch_gpu_xid_")] \
+        == [f'syncwatch_gpu_up{{gpu="3",uuid="{UUID3}"}} 0.0']
     # the XID counted before, and its time, stay with the GPU it happened on
     for metric in ("syncwatch_gpu_xid_errors_total",
                    "syncwatch_gpu_xid_last_event_timestamp_seconds"):
         assert reg.get_sample_value(metric, labels(3, xid="79")) is not None
         assert reg.get_sample_value(metric, {"gpu": "3", "uuid": old[4].uuid, "xid": "79"}) is None
     assert reg.get_sample_value("syncwatch_gpu_xid_errors_total", labels(3, xid="79")) == 1
+
+
+def reinit(collector: GpuCollector, fake: FakeNvml) -> None:
+    """The driver reloads under the collector: nvmlDeviceGetCount fails, NVML is closed, and the
+    next cycle initializes it again (and enumerates the GPUs anew)."""
+    fake.initialized = 0
+    with pytest.raises(RuntimeError, match="nvmlDeviceGetCount"):
+        collector.update([])
+
+
+def test_gpu_gone_from_the_enumeration_after_nvml_comes_back_reads_down(caplog):
+    """GPU 3 falls off the bus, and NVML, initialized again (a driver reset), no longer enumerates
+    it: nvmlDeviceGetCount is 7 and its UUID at no index. Its series vanished with it, up 0
+    included, and SyncwatchGpuLost resolved (or never fired) just when the GPU was most lost. A
+    GPU seen since the daemon started that no index answers with reads up 0 under its last index
+    (and nothing else), warned about once, until it is enumerated again."""
+    fake = FakeNvml(healthy_node(8))
+    old = healthy_node(8)
+    collector = GpuCollector(nvml=fake, wall_clock=lambda: 1_700_000_000.0)
+    cycle(collector)
+    fake.xid(3, 79)
+    cycle(collector)
+    gone = fake.fall_off_bus(3)
+    assert cycle(collector)[0].get_sample_value("syncwatch_gpu_up", labels(3)) == 0
+    reinit(collector, fake)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="syncwatch.collectors"):
+        reg, errors, families = cycle(collector)
+    assert errors == []
+    assert fake.nvmlDeviceGetCount() == 7
+    up = "syncwatch_gpu_up"
+    assert reg.get_sample_value(up, labels(3)) == 0
+    # GPU 4 now has index 3: both series have gpu="3", told apart by their uuid
+    assert reg.get_sample_value(up, {"gpu": "3", "uuid": old[4].uuid}) == 1
+    assert reg.get_sample_value("syncwatch_gpu_temperature_celsius",
+                                {"gpu": "3", "uuid": old[4].uuid}) == old[4].temperature
+    text = render(families)
+    check_golden("gpu_fell_off_the_bus", text)
+    promtool_check(text)
+    # only its up series, and the XID counted before it went, as they were
+    assert [line for line in text.splitlines()
+            if UUID3 in line and not line.startswith("syncwatch_gpu_xid_")] \
+        == [f'syncwatch_gpu_up{{gpu="3",uuid="{UUID3}"}} 0.0']
+    assert reg.get_sample_value("syncwatch_gpu_xid_errors_total", labels(3, xid="79")) == 1
+    assert len([r for r in caplog.records if UUID3 in r.getMessage()]) == 1
+    assert "no longer enumerated" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="syncwatch.collectors"):
+        for _ in range(2):  # stays down, without another warning
+            assert cycle(collector)[0].get_sample_value(up, labels(3)) == 0
+    assert UUID3 not in caplog.text
+
+    # back on the bus after a reset, now enumerated last: up under the index it has now
+    gone.error = None
+    fake.enumerate_at_next_init(fake.gpus + [gone])
+    reinit(collector, fake)
+    reg, errors, families = cycle(collector)
+    assert errors == []
+    assert reg.get_sample_value(up, {"gpu": "7", "uuid": UUID3}) == 1
+    assert reg.get_sample_value("syncwatch_gpu_temperature_celsius", {"gpu": "7", "uuid": UUID3}) == 43
+    assert reg.get_sample_value(up, labels(3)) is None
+    assert sum(s.value == 0 for f in families if f.name == up for s in f.samples) == 0
+
+
+def test_a_node_that_never_had_the_gpu_is_unaffected():
+    """The GPUs remembered are those this daemon saw: a node without GPU 3, its NVML initialized
+    again, exports no series for it, and every GPU it has reads up."""
+    fake = FakeNvml([g for g in healthy_node(8) if g.uuid != UUID3])
+    collector = GpuCollector(nvml=fake)
+    cycle(collector)
+    reinit(collector, fake)
+    _, errors, families = cycle(collector)
+    assert errors == []
+    assert UUID3 not in render(families)
+    ups = [s for f in families if f.name == "syncwatch_gpu_up" for s in f.samples]
+    assert len(ups) == 7 and all(s.value == 1 for s in ups)
+
+
+def test_gpu_enumerated_again_but_unreadable_reads_down_under_both_series():
+    """After NVML is initialized again GPU 3 is still enumerated but lost: no UUID is read for
+    index 3 (uuid=""), and the collector cannot tell whether it is GPU 3: GPU 3 reads up 0 under
+    its UUID (it answers at no index), index 3 up 0 under uuid="". Both are true; the UUID series
+    keeps the alert that was firing, and its rank_info join."""
+    fake = FakeNvml(healthy_node(8))
+    collector = GpuCollector(nvml=fake)
+    cycle(collector)
+    fake.gpus[3].error = N.NVML_ERROR_GPU_IS_LOST
+    cycle(collector)
+    reinit(collector, fake)
+    reg = cycle(collector)[0]
+    assert reg.get_sample_value("syncwatch_gpu_up", labels(3)) == 0
+    assert reg.get_sample_value("syncwatch_gpu_up", {"gpu": "3", "uuid": ""}) == 0
+    fake.gpus[3].error = None
+    reg, _, families = cycle(collector)
+    assert reg.get_sample_value("syncwatch_gpu_up", labels(3)) == 1
+    assert 'uuid=""' not in render(families)
+
+
+def test_a_known_gpu_the_daemon_may_no_longer_open_is_not_reported_lost():
+    """NVML initialized again answers NO_PERMISSION for index 3 (its device file no longer granted
+    to the daemon): its UUID cannot be read, yet GPU 3 may well be that one, healthy. It is not
+    reported down (SyncwatchGpuLost would page); the collector error says index 3 is not watched."""
+    fake = FakeNvml(healthy_node(8))
+    collector = GpuCollector(nvml=fake)
+    cycle(collector)
+    reinit(collector, fake)
+    fake.gpus[3].error = N.NVML_ERROR_NO_PERMISSION
+    reg, errors, _ = cycle(collector)
+    assert len(errors) == 1 and "gpu 3 not watched" in errors[0]
+    assert reg.get_sample_value("syncwatch_gpu_up", labels(3)) is None
 
 
 def test_labels_match_rank_info_format():

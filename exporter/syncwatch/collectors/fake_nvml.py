@@ -10,7 +10,9 @@ classes are pynvml's, looked up on the real module; a function the fake does not
 
 It lives in the package rather than under tests/ so the simulator can feed it (``FakeGpu`` fields
 are plain attributes a simulation may change between cycles, e.g. temperature and throttle reasons
-for a thermal-drift scenario).
+for a thermal-drift scenario). ``fall_off_bus`` loses a GPU the way NVML does: its calls answer
+GPU_IS_LOST, and the next initialization after a shutdown or driver reload lists it no more (the
+count one lower, the GPUs after it renumbered); ``enumerate_at_next_init`` lists it again.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class FakeNvml:
         self.initialized = 0
         self.calls = 0
         self._structs = [pynvml.struct_c_nvmlDevice_t() for _ in self.gpus]
+        self._next_gpus: list[FakeGpu] | None = None  # what the next first nvmlInit enumerates
         # event set (address of its struct) -> [the struct, GPU indices registered, (gpu, xid) pending]
         self._sets: dict[int, tuple[object, set[int], list[tuple[int, int]]]] = {}
         self._hang: dict[str, threading.Event] = {}
@@ -78,6 +81,34 @@ class FakeNvml:
         for gate in self._hang.values():
             gate.set()
         self._hang.clear()
+
+    def fall_off_bus(self, index: int) -> FakeGpu:
+        """GPU ``index`` falls off the bus, as NVML sees it: from now on every call on it answers
+        GPU_IS_LOST while it keeps its index and nvmlDeviceGetCount counts it, and once NVML is
+        initialized again after a shutdown or a driver reload (``initialized`` back to 0) it is no
+        longer enumerated: nvmlDeviceGetCount one lower, the GPUs after it one index down.
+        Returns the GPU (``enumerate_at_next_init`` brings it back)."""
+        gpu = self.gpus[index]
+        gpu.error = pynvml.NVML_ERROR_GPU_IS_LOST
+        pending = self.gpus if self._next_gpus is None else self._next_gpus
+        self._next_gpus = [g for g in pending if g is not gpu]
+        return gpu
+
+    def enumerate_at_next_init(self, gpus: list[FakeGpu]) -> None:
+        """The GPUs, in index order, that NVML enumerates once initialized again after a shutdown
+        or a driver reload (a GPU back on the bus after a reset or reseat, in whatever place)."""
+        self._next_gpus = list(gpus)
+
+    def _enumerate(self, gpus: list[FakeGpu]) -> None:
+        """Number ``gpus`` 0, 1, ... as a fresh NVML initialization does. A GPU enumerated before
+        keeps its device struct (its handle now answers its new index); the event sets made
+        before are gone, as after a driver reload."""
+        structs = {id(g): s for g, s in zip(self.gpus, self._structs)}
+        self._structs = [structs[id(g)] if id(g) in structs else pynvml.struct_c_nvmlDevice_t()
+                         for g in gpus]
+        self.gpus[:] = gpus
+        with self._lock:
+            self._sets.clear()
 
     def xid(self, gpu: int, xid: int) -> None:
         """Queue an XID critical-error event for ``gpu`` in every event set it is registered in."""
@@ -133,6 +164,9 @@ class FakeNvml:
         self.calls += 1
         if self.init_error is not None:
             raise pynvml.NVMLError(self.init_error)
+        if not self.initialized and self._next_gpus is not None:
+            self._enumerate(self._next_gpus)
+            self._next_gpus = None
         self.initialized += 1
 
     def nvmlShutdown(self):

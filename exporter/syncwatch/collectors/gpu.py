@@ -15,6 +15,19 @@ Failure semantics:
 * A GPU the daemon may not open (``NO_PERMISSION`` for its handle: its device file is not granted
   to the daemon) is a collector error and reports nothing, not ``syncwatch_gpu_up 0``: its GPU is
   not lost, and SyncwatchGpuLost would page for it.
+* A GPU gone from the enumeration: when ``nvmlDeviceGetCount`` fails (a driver reset) NVML is
+  closed and initialized again, and every UUID read anew (indices are NVML's of this
+  initialization). A GPU that fell off the bus may then be listed no more: the count is lower and
+  the GPUs after it move down one index. The collector remembers every GPU it has read since the
+  daemon started (UUID -> last index, bounded by the GPUs the node ever had); one that no index
+  answers with in a cycle reports ``syncwatch_gpu_up{gpu=<its last index>, uuid} 0`` and none of
+  its values, with one warning when it goes missing, until NVML lists it again (then it is up
+  under whatever index it has); without this its series vanished, SyncwatchGpuLost with them.
+  Its last index may now be another GPU's: the two series differ by ``uuid``. A GPU enumerated
+  but down before its UUID was read (``uuid=""``) may be the missing one or another: both read 0.
+  An index the daemon may not open (its UUID unread) may be the missing GPU, healthy: a missing
+  GPU whose last index that is reports nothing. XIDs counted before stay as they are. A GPU whose
+  UUID was never read is not remembered: if it leaves the list, its ``uuid=""`` series goes too.
 * ``NOT_SUPPORTED`` means that one metric is absent for that GPU, and ``FUNCTION_NOT_FOUND`` (the
   driver predates the call) that it is absent on this node; the clock-event reasons then come
   from the older name of the same call. Any other NVML error drops that metric and is reported as
@@ -107,6 +120,11 @@ class GpuCollector:
         self._xid_no_uuid: set[tuple[int, int]] = set()
         self._xid_last: dict[tuple[int, str, int], float] = {}  # ... -> wall time of the latest
         self._down_gpus: set[int] = set()
+        # UUID -> NVML index it had when last read, of every GPU seen since the daemon started: not
+        # cleared by close(), it tells a GPU gone from the enumeration from one the node never had.
+        # Bounded by the GPUs the node ever had.
+        self._known: dict[str, int] = {}
+        self._missing: set[str] = set()  # known UUIDs no index answers with, warned about once
         self._xid_unwatched: set[int] = set()  # down GPUs left out of the event set, until they answer
         self._throttle_reasons_call = False  # the driver predates nvmlDeviceGetCurrentClocksEventReasons
         nv = nvml
@@ -217,12 +235,14 @@ class GpuCollector:
                                   labels=[*gu, "type"])
         replays = CounterMetricFamily("syncwatch_gpu_pcie_replays", "PCIe replays.", labels=gu)
 
+        forbidden: set[int] = set()
         for i in range(count):
             try:
                 uuid, values = self._read_gpu(i, errors)
             except _GpuForbidden as e:
                 errors.append(f"gpu {i} not watched: {e} (the daemon needs read access to every "
                               "GPU device file, /dev/nvidia*)")
+                forbidden.add(i)
                 continue
             except _GpuDown as e:
                 # A hardware state, not a collector failure: syncwatch_gpu_up says it.
@@ -249,6 +269,7 @@ class GpuCollector:
                     ecc.add_metric([*labels, kind], values[kind])
             if values.get("replays") is not None:
                 replays.add_metric(labels, values["replays"])
+        self._export_missing(up, count, forbidden)
 
         if self._events is None:
             self._make_events(count, errors)
@@ -266,6 +287,35 @@ class GpuCollector:
             xids.add_metric([str(i), uuid, str(xid)], n)
             xid_last.add_metric([str(i), uuid, str(xid)], self._xid_last[(i, uuid, xid)])
         return [up, *gauges.values(), energy, throttle, ecc, replays, xids, xid_last]
+
+    def _export_missing(self, up: GaugeMetricFamily, count: int, forbidden: set[int]) -> None:
+        """``syncwatch_gpu_up 0`` under its last index for each GPU seen since the daemon started
+        that no index answers with this cycle. NVML initialized again (after a driver reset) may
+        no longer enumerate a GPU that fell off the bus: nvmlDeviceGetCount is lower, its UUID at
+        no index, and its series, up 0 included, vanished: SyncwatchGpuLost resolved, or never
+        fired, just when the GPU was most lost.
+
+        The last index may now be another GPU's (those after it move down): the label sets differ
+        by ``uuid``. A GPU enumerated but down before its UUID was read (``uuid=""``) may be the
+        missing one or not: both read 0, both true. One the daemon may not open (``forbidden``,
+        its UUID unread) may be the missing one, healthy: a missing GPU whose last index that is
+        is not reported down (the collector error says the index is not watched)."""
+        seen = {uuid: i for i, uuid in self._uuids.items() if i < count}
+        for uuid, i in seen.items():
+            if uuid in self._missing:
+                self._missing.discard(uuid)
+                log.info("gpu %d (%s) is enumerated again (it was gpu %d before it went)",
+                         i, uuid, self._known[uuid])
+            self._known[uuid] = i
+        for uuid, i in sorted(self._known.items(), key=lambda item: (item[1], item[0])):
+            if uuid in seen or i in forbidden:
+                continue
+            up.add_metric([str(i), uuid], 0)
+            if uuid not in self._missing:
+                self._missing.add(uuid)
+                log.warning("gpu %d (%s) is no longer enumerated: no GPU NVML lists answers with its "
+                            "UUID (fallen off the bus, or down before its UUID was read); it reads "
+                            "syncwatch_gpu_up 0 under gpu %d until NVML lists it again", i, uuid, i)
 
     def _read_gpu(self, i: int, errors: list[str]):
         nv = self.nvml
