@@ -186,8 +186,9 @@ def build() -> db.Dashboard:
         .with_panel(
             panel(timeseries.Panel(), "GPUs answering",
                   "1 while NVML answers for the GPU; 0 when it is lost, timed out or needs a reset "
-                  "(the ranks on it will hang or die).",
-                  query(_gpu("syncwatch_gpu_up"), "{{node}} gpu {{gpu}}"),
+                  "(the ranks on it will hang or die), or gone from NVML's list since the "
+                  "daemon started: 0 at its last index, even where another GPU now has it.",
+                  query(f'min by (node, gpu) (syncwatch_gpu_up {ON_DAEMON})', "{{node}} gpu {{gpu}}"),
                   w=8)
             .min(0).max(1))
     )
