@@ -505,6 +505,114 @@ def test_nvml_failing_after_init_reinitializes():
     assert fake.initialized == 1
 
 
+@pytest.mark.parametrize("code", [N.NVML_ERROR_DRIVER_NOT_LOADED, N.NVML_ERROR_LIBRARY_NOT_FOUND],
+                         ids=["driver_not_loaded", "library_not_found"])
+def test_driver_gone_after_gpus_were_read_reads_them_down(caplog, code):
+    """The driver unloads under a node whose GPUs the daemon has read (a reset that does not come
+    back; or its library removed): nvmlDeviceGetCount fails, NVML is initialized again, and init
+    answers DRIVER_NOT_LOADED (LIBRARY_NOT_FOUND). That counted as "NVML absent", as on a node
+    without GPUs: NoData, every GPU series gone, the remembered ones too, success 1 and not a word,
+    and SyncwatchGpuLost never fired while every job on the node was dead. Each GPU read since the
+    daemon started now reads up 0 under its last index and UUID (nothing else: its XIDs counted
+    before stay), with one warning, through the init retries and their backoff; once the driver
+    answers again the GPUs read up."""
+    clock = Clock()
+    fake = FakeNvml(healthy_node(8))
+    collector = GpuCollector(nvml=fake, clock=clock, wall_clock=lambda: 1_700_000_000.0,
+                             backoff=(10, 40))
+    runner = CollectorRunner({"gpu": collector}, clock=clock)
+    runner.run_once()
+    fake.xid(3, 79)
+    runner.run_once()
+    fake.initialized = 0  # the driver unloads: every call answers UNINITIALIZED ...
+    fake.init_error = code  # ... and nvmlInit that it is gone
+    runner.run_once()  # nvmlDeviceGetCount fails: NVML closed, initialized again next cycle
+    caplog.clear()
+    up, success = "syncwatch_gpu_up", {"collector": "gpu"}
+    attempts = []
+    with caplog.at_level(logging.INFO, logger="syncwatch.collectors"):
+        for _ in range(12):  # a minute, one cycle every 5 s: init tried at 0, 10, 30 s (backoff)
+            clock.t += 5
+            calls = fake.calls
+            runner.run_once()
+            if fake.calls > calls:
+                attempts.append(clock.t)
+            families = runner.collect()
+            v = registry_of(families).get_sample_value
+            assert v("syncwatch_collector_success", success) == 1
+            for i in range(8):
+                assert v(up, labels(i)) == 0, i
+            assert v("syncwatch_gpu_temperature_celsius", labels(0)) is None
+            assert v("syncwatch_gpu_xid_errors_total", labels(3, xid="79")) == 1
+    assert [t - attempts[0] for t in attempts] == [0, 10, 30]
+    text = render([f for f in families if f.name.startswith("syncwatch_gpu_")])
+    ups = [line for line in text.splitlines() if not line.startswith(("#", "syncwatch_gpu_xid_"))]
+    assert ups == [f'syncwatch_gpu_up{{gpu="{i}",uuid="{g.uuid}"}} 0.0'
+                   for i, g in enumerate(healthy_node(8))]
+    if code == N.NVML_ERROR_DRIVER_NOT_LOADED:
+        check_golden("gpu_driver_unloaded", text)
+        promtool_check(text)
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, caplog.text
+    assert "NVML absent" in warnings[0].getMessage() and UUID3 in warnings[0].getMessage()
+
+    fake.init_error = None  # the driver is back: the GPUs read up at the next init attempt
+    clock.t += 40
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="syncwatch.collectors"):
+        runner.run_once()
+    v = registry_of(runner.collect()).get_sample_value
+    assert v("syncwatch_collector_success", success) == 1
+    for i, g in enumerate(healthy_node(8)):
+        assert v(up, labels(i)) == 1, i
+        assert v("syncwatch_gpu_temperature_celsius", labels(i)) == g.temperature
+    assert v("syncwatch_gpu_xid_errors_total", labels(3, xid="79")) == 1
+    assert "NVML answers again" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_driver_back_without_a_gpu_that_fell_off_the_bus():
+    """XID 79: GPU 3 falls off the bus and the driver unloads. While NVML is absent every GPU the
+    daemon read reads 0; once it is back without GPU 3, the others read up under their new
+    indices, and GPU 3 stays 0 under its last index (gone from the enumeration)."""
+    clock = Clock()
+    fake = FakeNvml(healthy_node(8))
+    collector = GpuCollector(nvml=fake, clock=clock)
+    cycle(collector)
+    fake.fall_off_bus(3)
+    fake.init_error = N.NVML_ERROR_DRIVER_NOT_LOADED
+    reinit(collector, fake)
+    reg, errors, families = cycle(collector)
+    assert errors == []
+    assert [(s.labels["gpu"], s.labels["uuid"], s.value) for f in families for s in f.samples] \
+        == [(str(i), g.uuid, 0) for i, g in enumerate(healthy_node(8))]
+    fake.init_error = None
+    clock.t += 10
+    reg, errors, _ = cycle(collector)
+    assert errors == []
+    old = healthy_node(8)
+    for index, gpu in enumerate(old[:3] + old[4:]):
+        assert reg.get_sample_value("syncwatch_gpu_up", {"gpu": str(index), "uuid": gpu.uuid}) == 1
+    assert reg.get_sample_value("syncwatch_gpu_up", labels(3)) == 0
+
+
+def test_nvml_absent_on_a_node_that_never_had_gpus_stays_quiet(caplog):
+    """The fake twin of test_real_nvml_absent_is_quiet_no_data: no GPU was ever read, so NVML
+    absent is a node without GPUs: no GPU series, success 1, no warning, retries included."""
+    clock = Clock()
+    fake = FakeNvml(init_error=N.NVML_ERROR_DRIVER_NOT_LOADED)
+    runner = CollectorRunner({"gpu": GpuCollector(nvml=fake, clock=clock)}, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="syncwatch.collectors"):
+        for _ in range(5):
+            runner.run_once()
+            families = runner.collect()
+            assert registry_of(families).get_sample_value(
+                "syncwatch_collector_success", {"collector": "gpu"}) == 1
+            assert not [f for f in families if f.name.startswith("syncwatch_gpu")]
+            clock.t += 10
+    assert caplog.records == []
+
+
 def test_golden_gpu_files_pass_promtool():
     text = render(cycle(GpuCollector(nvml=FakeNvml()))[2])
     promtool_check(text)

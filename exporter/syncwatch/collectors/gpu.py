@@ -5,10 +5,21 @@ demos), so everything here is exercised on machines without a GPU.
 
 Failure semantics:
 
-* NVML absent (no library, no driver: ``LIBRARY_NOT_FOUND``, ``DRIVER_NOT_LOADED``): ``NoData``,
-  quietly; other init failures are errors, ``FUNCTION_NOT_FOUND`` included (a library too old
-  for the init call: a driver to upgrade, not a node without GPUs). Either way initialization is
-  retried with exponential backoff (10 s doubling to 5 min).
+* NVML absent (no library, no driver: ``LIBRARY_NOT_FOUND``, ``DRIVER_NOT_LOADED``) on a node
+  where this daemon never read a GPU: ``NoData``, quietly (a node without GPUs); other init
+  failures are errors, ``FUNCTION_NOT_FOUND`` included (a library too old for the init call: a
+  driver to upgrade, not a node without GPUs). Either way initialization is retried with
+  exponential backoff (10 s doubling to 5 min).
+* NVML absent once the daemon has read GPUs (NVML initialized again after a failure, e.g. of
+  ``nvmlDeviceGetCount`` in a driver reset, and the driver stays unloaded or its library went):
+  no node without GPUs but a failure of all of them. Every GPU it remembers (below) reports
+  ``syncwatch_gpu_up{gpu=<its last index>, uuid} 0`` and none of its values (its XIDs counted
+  before stay), with one warning (not one per retry), through the init retries and their backoff;
+  once NVML initializes again the GPUs it lists read up under their indices (an info line says
+  so), and those it no longer lists stay 0 as below. Not a collector error (success 1): like a
+  lost GPU, a hardware state that ``syncwatch_gpu_up`` says and SyncwatchGpuLost pages for. It
+  was ``NoData``: every GPU series vanished, the remembered ones too, and SyncwatchGpuLost never
+  fired while every job on the node was dead.
 * A GPU that is lost (``GPU_IS_LOST``), needs a reset (``RESET_REQUIRED``) or times out
   (``TIMEOUT``) reports ``syncwatch_gpu_up 0`` and none of its values (withdrawn, not frozen);
   the other GPUs keep reporting.
@@ -125,6 +136,8 @@ class GpuCollector:
         # Bounded by the GPUs the node ever had.
         self._known: dict[str, int] = {}
         self._missing: set[str] = set()  # known UUIDs no index answers with, warned about once
+        # NVML absent (driver unloaded, library gone) after GPUs were read: warned about once
+        self._gone_warned = False
         self._xid_unwatched: set[int] = set()  # down GPUs left out of the event set, until they answer
         self._throttle_reasons_call = False  # the driver predates nvmlDeviceGetCurrentClocksEventReasons
         nv = nvml
@@ -165,6 +178,10 @@ class GpuCollector:
         self._ready = True
         self._backoff = self._backoff_min
         self._init_failure = None
+        if self._gone_warned:
+            self._gone_warned = False
+            log.info("NVML answers again: the GPUs it lists read up (those it no longer lists "
+                     "read syncwatch_gpu_up 0)")
         self._events = None  # made by the first cycle, once it has the count
 
     def _register_xids(self, events, indices) -> None:
@@ -205,7 +222,12 @@ class GpuCollector:
     # --- one cycle ----------------------------------------------------------------------------
 
     def update(self, errors: list[str]):
-        self._ensure_ready()
+        try:
+            self._ensure_ready()
+        except NoData as e:
+            if not self._known:
+                raise  # a node where this daemon never read a GPU: no GPUs, quietly
+            return self._nvml_gone(e)
         nv = self.nvml
         try:
             count = nv.nvmlDeviceGetCount()
@@ -214,8 +236,7 @@ class GpuCollector:
             raise RuntimeError(f"nvmlDeviceGetCount failed: {e}") from None
 
         gu = ["gpu", "uuid"]
-        up = GaugeMetricFamily("syncwatch_gpu_up", "1 while the GPU answers NVML, 0 when lost, timed "
-                               "out or needing a reset.", labels=gu)
+        up = _up_family()
         gauges = {
             "temperature": GaugeMetricFamily("syncwatch_gpu_temperature_celsius", "GPU core temperature.", labels=gu),
             "memory_temperature": GaugeMetricFamily("syncwatch_gpu_memory_temperature_celsius",
@@ -277,16 +298,43 @@ class GpuCollector:
             self._register_xids(self._events, sorted(self._xid_unwatched - self._down_gpus))
         self._drain_xids(count, errors)
         self._label_xids()
+        return [up, *gauges.values(), energy, throttle, ecc, replays, *self._xid_families()]
+
+    def _xid_families(self) -> list:
+        """The XIDs counted since the daemon started, and when the latest of each arrived."""
+        labels = ["gpu", "uuid", "xid"]
         xids = CounterMetricFamily("syncwatch_gpu_xid_errors", "XID critical errors reported by the driver.",
-                                   labels=[*gu, "xid"])
+                                   labels=labels)
         xid_last = GaugeMetricFamily("syncwatch_gpu_xid_last_event_timestamp_seconds",
                                      "Wall-clock time the daemon received the latest XID critical "
                                      "error of this code from the driver (Unix seconds).",
-                                     labels=[*gu, "xid"])
+                                     labels=labels)
         for (i, uuid, xid), n in sorted(self._xids.items()):
             xids.add_metric([str(i), uuid, str(xid)], n)
             xid_last.add_metric([str(i), uuid, str(xid)], self._xid_last[(i, uuid, xid)])
-        return [up, *gauges.values(), energy, throttle, ecc, replays, xids, xid_last]
+        return [xids, xid_last]
+
+    def _nvml_gone(self, why: NoData) -> list:
+        """NVML absent (``DRIVER_NOT_LOADED``, ``LIBRARY_NOT_FOUND``) on a node whose GPUs this
+        daemon has read: the driver unloaded (a reset it did not come back from) or its library
+        went. That is no node without GPUs but a failure of all of them: it read as NoData, every
+        GPU series vanished, the remembered ones too, and SyncwatchGpuLost never fired while every
+        job on the node was dead. Each GPU seen since the daemon started reads
+        ``syncwatch_gpu_up{gpu=<its last index>, uuid} 0`` and none of its values (its XIDs
+        counted before stay), with one warning, until NVML initializes again (retried with the
+        backoff). Not a collector error, as for a GPU lost: a hardware state, said by gpu_up."""
+        up = _up_family()
+        known = sorted(self._known.items(), key=lambda item: (item[1], item[0]))
+        for uuid, i in known:
+            up.add_metric([str(i), uuid], 0)
+        if not self._gone_warned:
+            self._gone_warned = True
+            log.warning("%s on a node whose GPUs this daemon has read: the driver unloaded (or its "
+                        "library went), none of its GPUs works; gpu %s read syncwatch_gpu_up 0 "
+                        "under their last index until NVML answers again (init retried with "
+                        "backoff, at most %gs apart)", why,
+                        ", ".join(f"{i} ({uuid})" for uuid, i in known), self._backoff_max)
+        return [up, *self._xid_families()]
 
     def _export_missing(self, up: GaugeMetricFamily, count: int, forbidden: set[int]) -> None:
         """``syncwatch_gpu_up 0`` under its last index for each GPU seen since the daemon started
@@ -470,6 +518,11 @@ class GpuCollector:
 
 def _raise(e: Exception):
     raise e
+
+
+def _up_family() -> GaugeMetricFamily:
+    return GaugeMetricFamily("syncwatch_gpu_up", "1 while the GPU answers NVML, 0 when lost, timed "
+                             "out or needing a reset.", labels=["gpu", "uuid"])
 
 
 @register("gpu", default=True, help="NVIDIA GPUs through NVML (temperatures, power, clocks, throttling, errors)")
