@@ -79,7 +79,8 @@ def build() -> db.Dashboard:
         .with_panel(
             panel(timeseries.Panel(), "Throughput per GPU against its baseline",
                   "Samples per second per GPU now, and the trailing baseline the efficiency ratio "
-                  "divides by (1 h average, 10 m ago). The gap is the output each GPU lost.",
+                  "divides by (its 1 h average ending 35 m ago; none in a job's first 40 m). The "
+                  "gap is the output each GPU lost.",
                   query(per_gpu, "samples/s per GPU"),
                   query(f'train_job:syncwatch_samples_per_gpu:baseline1h{{{JOB}}}', "baseline"),
                   unit="short", w=9)

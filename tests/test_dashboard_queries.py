@@ -31,7 +31,9 @@ pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
 STRAGGLER, RESTARTS = "dash-straggler", "dash-restarts"
 #: The straggler scenario again, its ranks without the skew exchange (K = 0).
 ESTIMATED = "dash-k0-straggler"
-RUN_SECONDS = 45          # simulated run before querying (rule windows are scaled by 0.05)
+# simulated run before querying (rule windows are scaled by 0.05): the efficiency ratio's trailing
+# baseline (1h ending 35m back) has its first value 40 rule minutes into a job, 2 minutes here
+RUN_SECONDS = 125
 SETTLE_SECONDS = 60       # then at most this long for the last panels' first data (a loaded machine)
 RANGE_OFFSET = 6          # dashboard range starts this long after the jobs started
 

@@ -12,6 +12,7 @@ import yaml
 
 from conftest import ROOT, subprocess_env
 from syncwatch.rules.render import duration, render
+from syncwatch.rules.thresholds import WINDOWS
 
 ALERTS = ROOT / "alerts"
 TESTS = ALERTS / "tests"
@@ -75,6 +76,23 @@ def test_time_scale_shortens_every_window_and_for_but_keeps_names_and_thresholds
     assert "  15\n" in stall["expr"]  # the 5m minimum allowance, scaled, compared with time()
     with pytest.raises(ValueError):
         render(0)
+
+
+def test_trailing_baselines_end_before_the_for_and_rate_window_of_their_alerts():
+    """A change held for EfficiencyDrift's (EnergyOutpacingOutput's) for: is in the 5m rates for
+    that long plus the rate window; the baseline ends before, so the change is not its own baseline
+    (ending 10m back, it took a 25 % throughput drop in from 10m on and the alert never fired)."""
+    w = WINDOWS
+    assert w.trailing_offset >= max(w.for_efficiency, w.for_energy) + w.rate
+    for scale in (1.0, 0.05):
+        records = {r["record"]: r["expr"] for r in _rules(render(scale)) if "record" in r}
+        for name in ("train_job:syncwatch_samples_per_gpu:baseline1h",
+                     "train_job:syncwatch_energy_per_sample:baseline1h"):
+            assert records[name].endswith(
+                f"[{duration(w.trailing * scale)}] offset {duration(w.trailing_offset * scale)})"), name
+        # the step CV and skew growths keep their own, shorter offset
+        for name in ("train_job:syncwatch_step_cv:baseline", "train_job:syncwatch_skew_step:baseline"):
+            assert records[name].endswith(f"offset {duration(w.baseline_offset * scale)})"), name
 
 
 def test_recording_rule_names_follow_level_metric_operation_and_cover_the_scores_table():

@@ -226,15 +226,17 @@ def efficiency(c: Ctx) -> list[dict]:
               f"train_job:syncwatch_efficiency:ratio_to_baseline < {t.efficiency_warn:g}",
               w.for_efficiency, "warning",
               "Per-GPU throughput of a train job fell below its trailing baseline.",
-              f"Per-GPU throughput of train job {JOB} is {PCT} of its own trailing "
-              f"{c.d(w.trailing)} baseline (warns below {t.efficiency_warn:.0%})."),
+              f"Per-GPU throughput of train job {JOB} is {PCT} of its own baseline, its mean "
+              f"over the {c.d(w.trailing)} that ended {c.d(w.trailing_offset)} ago (warns below "
+              f"{t.efficiency_warn:.0%})."),
         alert(c, "SyncwatchEnergyOutpacingOutput",
               "train_job:syncwatch_energy_per_sample:joules5m\n/\n"
               f"train_job:syncwatch_energy_per_sample:baseline1h > {t.energy_warn:g}",
               w.for_energy, "warning",
               "A train job spends more energy per sample than it used to.",
-              f"Energy per sample of train job {JOB} is {_num()}x its trailing {c.d(w.trailing)} "
-              f"baseline (warns above {t.energy_warn:g}x): GPUs burn power while waiting."),
+              f"Energy per sample of train job {JOB} is {_num()}x its baseline, its mean over the "
+              f"{c.d(w.trailing)} that ended {c.d(w.trailing_offset)} ago (warns above "
+              f"{t.energy_warn:g}x): GPUs burn power while waiting."),
     ]
 
 

@@ -47,7 +47,7 @@ def recording_rules(c: Ctx) -> list[dict]:
     # steps or samples (a pause longer than the window) or without skew (the exchange runs every
     # K steps, minutes apart for slow steps) then has no value instead of NaN or +Inf. Those would
     # spread: through avg/stddev_over_time into the counter CV, the growths and the energy
-    # baseline for up to 70m, and from any one component into the whole instability score; a
+    # baseline for up to 95m, and from any one component into the whole instability score; a
     # NaN or +Inf there never passes an alert threshold.
     def rate_by(metric: str, window: str, by: str = "train_job") -> str:
         return f"sum by ({by}) (rate({metric}[{window}]))"
@@ -251,7 +251,8 @@ def recording_rules(c: Ctx) -> list[dict]:
         # --- efficiency: per-GPU (= per-rank) throughput against its own trailing baseline. Only
         # windows with samples count ("> 0"): the zeros of a stall, evaluation or checkpoint in the
         # trailing hour lowered the baseline (a 20m stall hid a halved throughput from
-        # EfficiencyDrift), and a pause over the 70m of the baseline made it 0 and the ratio +Inf.
+        # EfficiencyDrift), and a pause over the 70m the baseline then reached back made it 0 and
+        # the ratio +Inf.
         {"record": "train_job:syncwatch_samples_per_gpu:rate5m",
          "expr": "(train_job:syncwatch_samples:rate5m > 0)\n/ on (train_job)\n"
                  "count by (train_job) (max by (train_job, rank) (syncwatch_rank_info))"},
@@ -260,11 +261,13 @@ def recording_rules(c: Ctx) -> list[dict]:
         # per-GPU rate ramps up over its first 5m (24 samples/s at 2m for 60), and those windows
         # held the baseline low for the job's first hour: a third less throughput 30 minutes in
         # read 0.72, rose over 0.8 after 28 minutes, and EfficiencyDrift never fired.
+        # The baseline ends trailing_offset (35m) back, before the 30m for: and 5m rate window of
+        # the alerts on it (thresholds.py): there is none in a job's first 40 minutes.
         {"record": "train_job:syncwatch_samples_per_gpu:settled5m",
          "expr": f"train_job:syncwatch_samples_per_gpu:rate5m\nunless on (train_job)\n{started(r)}"},
         {"record": "train_job:syncwatch_samples_per_gpu:baseline1h",
          "expr": f"avg_over_time(train_job:syncwatch_samples_per_gpu:settled5m[{c.d(w.trailing)}] "
-                 f"offset {c.d(w.baseline_offset)})"},
+                 f"offset {c.d(w.trailing_offset)})"},
         {"record": "train_job:syncwatch_efficiency:ratio_to_baseline",
          "expr": "train_job:syncwatch_samples_per_gpu:rate5m\n/\ntrain_job:syncwatch_samples_per_gpu:baseline1h"},
         # --- energy: GPU energy of the job's GPUs (joined by uuid) per sample
@@ -283,7 +286,7 @@ def recording_rules(c: Ctx) -> list[dict]:
          "expr": f"train_job:syncwatch_energy_per_sample:joules5m\nunless on (train_job)\n{started(r)}"},
         {"record": "train_job:syncwatch_energy_per_sample:baseline1h",
          "expr": f"avg_over_time(train_job:syncwatch_energy_per_sample:settled5m[{c.d(w.trailing)}] "
-                 f"offset {c.d(w.baseline_offset)})"},
+                 f"offset {c.d(w.trailing_offset)})"},
         # --- instability: components (each 0..1) and their noisy-OR combination
         _component("cv", "train_job:syncwatch_step_cv:avg5m", t.inst_cv_ok, t.inst_cv_bad),
         _component("cv_counters", "train_job:syncwatch_step_cv:counters10m", t.inst_cv_counters_ok,

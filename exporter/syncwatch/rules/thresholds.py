@@ -25,6 +25,11 @@ class Windows:
     baseline: float = 30 * MINUTE       # "earlier" step CV the growth compares against ...
     baseline_offset: float = 10 * MINUTE  # ... ending this long ago (a rise is not its own baseline)
     trailing: float = 1 * HOUR          # trailing baselines of throughput and energy per sample
+    # ... ending this long ago: EfficiencyDrift's and EnergyOutpacingOutput's 30m for: + the 5m
+    # rate window, so a change held through the for: is compared with the level before it. Ending
+    # 10m back (baseline_offset), the baseline took in the change from 10m after its start: a 25 %
+    # throughput drop read 0.83 35m in (1.3x the energy per sample 1.17), and neither alert fired.
+    trailing_offset: float = 35 * MINUTE
     restarts: float = 1 * HOUR          # restarts and re-run ratio
     hardware: float = 10 * MINUTE       # error counter increases (NIC, IB), XIDs received
     desync: float = 5 * MINUTE          # a rank's collective sequence unchanged this long
