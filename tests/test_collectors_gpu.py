@@ -708,6 +708,7 @@ def _smi(fields: str) -> list[list[str]]:
     return [[c.strip() for c in line.split(",")] for line in out.strip().splitlines()]
 
 
+@pytest.mark.gpu
 def test_real_nvml_reads_this_machines_gpus():
     """The real pynvml on a machine with a GPU (skipped without one): every GPU is up and
     exported under its own index and UUID, without a collector error (an NVML call that the

@@ -14,7 +14,7 @@ import pytest
 from conftest import subprocess_env
 from syncwatch.instrument import identity as ident_mod
 from syncwatch.instrument import run as run_mod
-from syncwatch.instrument.clock import CudaEventClock, HostClock
+from syncwatch.instrument.clock import FAKE_CALLS, CudaEventClock, HostClock, TorchCalls
 from syncwatch.instrument.monitor import Monitor
 from syncwatch.protocol import (MAX_ATTEMPT, PHASE_INDEX, EndRecord, HeartbeatRecord, Identity,
                                 StepRecord)
@@ -910,12 +910,12 @@ class FakeEvent:
         raise AssertionError("synchronize() on the hot path")
 
 
-def test_a_mark_records_on_the_stream_current_on_its_thread():
+def test_a_mark_records_on_the_current_stream_looked_up_by_device_and_handle():
     """A mark records on what ``torch.cuda.current_stream()`` would answer, looked up by the
     current device and the stream's raw handle, each stream object made once: a switch of
     stream (``torch.cuda.stream(side)``) or of device gives that stream, and the legacy default
     stream, handle 0 on every device, is each device's own. Past ``MOST_STREAMS`` the cache
-    starts again and the answers stay right."""
+    starts again, the answers right and the cache bounded."""
     state = {"device": 0, "raw": {0: 0, 1: 0}}
     made, recorded = [], []
 
@@ -927,8 +927,9 @@ def test_a_mark_records_on_the_stream_current_on_its_thread():
         recorded.append(stream)
         event.record(stream)
 
-    calls = (lambda: state["device"], lambda d: state["raw"][d], make_stream, record)
-    clock = CudaEventClock(lambda: FakeEvent(FakeStream()), stream_calls=calls)
+    calls = TorchCalls(lambda: state["device"], lambda d: state["raw"][d], make_stream, record,
+                       lambda event: 0)
+    clock = CudaEventClock(lambda: FakeEvent(FakeStream()), calls=calls)
     clock.MOST_STREAMS = 4
 
     def current():
@@ -944,9 +945,70 @@ def test_a_mark_records_on_the_stream_current_on_its_thread():
     assert current() == (1, 0)
     for raw in (1, 2, 3):
         state["raw"][1] = raw
-        assert current() == (1, raw)
+        assert current() == (1, raw) and len(clock._streams) <= 4
     state["device"] = 0
-    assert current() == (0, 0)
+    assert current() == (0, 0) and len(made) == 7  # made again after the reset
+
+
+def test_released_events_are_reused_on_their_own_device_only():
+    """Threads marking on two devices (the training thread on device 0, autograd's on the
+    model's device 1, where the script never called ``set_device``): an event goes back to the
+    pool of the device it was recorded on, and torch's check that an event records on its own
+    device's streams holds; with one pool, device 1's marks got device 0's events."""
+    current = [0]
+
+    class Event(FakeEvent):
+        def __init__(self):
+            super().__init__(FakeStream())
+            self.device = None
+
+        def record(self, stream=None):
+            if self.device is not None and self.device != stream:
+                raise RuntimeError(f"Event device {self.device} does not match recording "
+                                   f"stream's device {stream}")
+            self.device = stream
+            super().record(stream)
+
+    calls = TorchCalls(lambda: current[0], lambda d: 0, lambda d: d, FAKE_CALLS.record,
+                       lambda event: event.device)
+    clock = CudaEventClock(Event, calls=calls)
+    for _ in range(20):
+        marks = []
+        for device in (0, 1, 1, 0):
+            current[0] = device
+            marks.append(clock.mark())
+        for m in marks:
+            clock.release(m)
+    assert {d: len(p) for d, p in clock._pools.items()} == {0: 2, 1: 2}
+
+
+def test_torch_calls_are_torchs_c_functions_where_torch_has_them(monkeypatch):
+    """The mark's calls are torch's private C functions, each passed what torch's own
+    ``Event.record()`` would: the device to ``_cuda_getCurrentRawStream`` and to
+    ``current_stream``, the event and the stream object to ``_CudaEventBase.record``. (This CPU
+    build lacks them: they are stood in for, to check the wiring.)"""
+    torch = pytest.importorskip("torch")
+    from syncwatch.instrument.clock import torch_calls
+    log = []
+
+    class Base:
+        @staticmethod
+        def record(event, stream):
+            log.append(("record", event, stream))
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: log.append("device") or 1,
+                        raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream",
+                        lambda d: log.append(("raw", d)) or 0x10, raising=False)
+    monkeypatch.setattr(torch._C, "_CudaEventBase", Base, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: log.append(("stream", d)) or "s1")
+    calls = torch_calls()
+    assert calls.device is torch._C._cuda_getDevice and calls.record is Base.record
+    clock = CudaEventClock(lambda: "ev", calls=calls)
+    clock.mark()
+    clock.mark()
+    assert log == ["device", ("raw", 1), ("stream", 1), ("record", "ev", "s1"),
+                   "device", ("raw", 1), ("record", "ev", "s1")]
 
 
 def test_cuda_events_are_resolved_lazily_without_synchronize(rx):
@@ -990,7 +1052,7 @@ def test_cuda_events_are_resolved_lazily_without_synchronize(rx):
     # phase's event, which is released once, not once as each
     assert [phase(r, "forward") for r in rx.of(StepRecord)[3:]] == [pytest.approx(0.001)] * 20
     assert [r.step_seconds for r in rx.of(StepRecord)[3:]] == [pytest.approx(0.001)] * 20
-    pool = m.clock._pool
+    pool = m.clock._pools[0]
     assert len({id(ev) for ev in pool}) == len(pool)
 
 
@@ -1085,7 +1147,7 @@ def test_cuda_loading_between_micro_batches_is_data_and_its_events_are_recycled(
         assert phase(r, "sync") == pytest.approx(sync)
         assert r.step_seconds == pytest.approx(0.040 + sync)
     assert m.errors == 0 and not m._shared
-    pool = m.clock._pool
+    pool = m.clock._pools[0]
     assert len({id(ev) for ev in pool}) == len(pool)
 
 
@@ -1245,7 +1307,7 @@ def test_random_phase_sequences_count_every_moment_once(rx, device):
         assert got == {name: pytest.approx(t * unit, abs=1e-9) for name, t in truth.items()}, seed
         assert m.errors == 0 and not m._shared, seed
         if device == "cuda":
-            pool = m.clock._pool
+            pool = m.clock._pools[0]
             assert len({id(ev) for ev in pool}) == len(pool), seed
 
 
@@ -1277,7 +1339,7 @@ def test_cuda_events_of_a_phase_inside_another(rx):
     assert [phase(r, "eval") for r in recs] == [pytest.approx(0.002)] + [pytest.approx(0.006)] * 5 + [
         pytest.approx(0.004)]
     assert [r.step_seconds for r in recs[1:6]] == [pytest.approx(0.024)] * 5
-    pool = m.clock._pool
+    pool = m.clock._pools[0]
     assert len({id(ev) for ev in pool}) == len(pool) and not m._shared
 
 
@@ -1303,7 +1365,7 @@ def test_cuda_events_of_a_first_phase_that_ends_after_the_first_step(rx):
     assert [r.step_seconds for r in recs[1:]] == [pytest.approx(0.006)] * 5
     # each phase ends in the next step: its time up to the step's end is that step's
     assert [phase(r, "optimizer") for r in recs] == [pytest.approx(0.002)] + [pytest.approx(0.005)] * 5
-    pool = m.clock._pool
+    pool = m.clock._pools[0]
     assert len({id(ev) for ev in pool}) == len(pool)
 
 

@@ -666,6 +666,7 @@ def test_a_slurm_requeue_of_torchrun_is_a_later_attempt(daemon, sock_path, tmp_p
     assert m.value("syncwatch_job_rerun_steps_total", train_job=job) == 10
 
 
+@pytest.mark.gpu
 def test_a_device_straggler_is_named_on_the_cuda_clock(sock_path, tmp_path):
     """CUDA (skipped without a GPU): two gloo ranks train on the GPU, and rank 1's forward queues
     a kernel that spins ``delay`` on the device while its host goes on. Timed on CUDA events,
@@ -704,6 +705,7 @@ def test_a_device_straggler_is_named_on_the_cuda_clock(sock_path, tmp_path):
     assert ranks and ranks <= nvml, (ranks, nvml)
 
 
+@pytest.mark.gpu
 def test_zero_code_under_nccl_times_on_the_gpu(daemon, sock_path, tmp_path):
     """CUDA (skipped without a GPU): an unmodified NCCL DDP script, one rank, under
     ``syncwatch-run``. NCCL makes CUDA events the clock by default: the kernel that spins

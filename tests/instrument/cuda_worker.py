@@ -45,7 +45,8 @@ def main():
     rank = dist.get_rank()
     gpu = rank % torch.cuda.device_count()
     torch.cuda.set_device(gpu)
-    spin = int(a.delay * spin_cycles_per_second())
+    # only the slow rank calibrates: two ranks' spins at once would share the GPU's time
+    spin = int(a.delay * spin_cycles_per_second()) if rank == a.slow_rank else 0
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128)).cuda(),
                 device_ids=[gpu])

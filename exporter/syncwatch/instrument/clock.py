@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Callable, NamedTuple
 
 
 class HostClock:
@@ -52,10 +53,18 @@ class HostClock:
         pass
 
 
-def torch_stream_calls():
-    """The four torch calls a mark makes: the current device, the current stream's raw handle
-    on a device (``cudaStream_t``), the current stream as an object, and recording an event on
-    a stream. torch's private calls where it has them (``torch._C._cuda_getDevice``,
+class TorchCalls(NamedTuple):
+    """The torch calls a mark makes, and the one that tells a released event's device."""
+
+    device: Callable[[], int]                 # the calling thread's current device
+    raw_stream: Callable[[int], int]          # a device's current stream's handle (cudaStream_t)
+    stream: Callable[[int], object]           # a device's current stream as an object
+    record: Callable[[object, object], None]  # record an event on a stream
+    event_device: Callable[[object], int]     # the device an event was recorded on
+
+
+def torch_calls() -> TorchCalls:
+    """torch's private calls where it has them (``torch._C._cuda_getDevice``,
     ``_cuda_getCurrentRawStream``, ``_CudaEventBase.record``, in torch since 1.10: C functions,
     no Python frame, which cost 1-3 us each after a backward has left the caches cold), else
     its public ones."""
@@ -64,36 +73,43 @@ def torch_stream_calls():
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     base = getattr(torch._C, "_CudaEventBase", None)
     if get_device is None or raw_stream is None or base is None:
-        return (torch.cuda.current_device,
-                lambda device: torch.cuda.current_stream(device).cuda_stream,
-                torch.cuda.current_stream, torch.cuda.Event.record)
-    return get_device, raw_stream, torch.cuda.current_stream, base.record
+        return TorchCalls(torch.cuda.current_device,
+                          lambda device: torch.cuda.current_stream(device).cuda_stream,
+                          torch.cuda.current_stream, torch.cuda.Event.record, _event_device)
+    return TorchCalls(get_device, raw_stream, torch.cuda.current_stream, base.record,
+                      _event_device)
+
+
+def _event_device(event) -> int:
+    return event.device.index
 
 
 class CudaEventClock:
-    """CUDA events recorded on the current stream, recycled through a small pool.
+    """CUDA events recorded on the current stream, recycled through a pool per device (an event
+    records on its own device only: torch refuses another's stream).
 
-    ``stream_calls``: ``torch_stream_calls()``'s four (default: torch's, or, with
-    ``event_factory`` given, device 0's stream None: fake events record on the stream they were
-    made for). A mark looks the current stream up in a cache of stream objects keyed by the
-    current device and the stream's raw handle (the legacy default stream's is 0 on every
-    device), as ``torch.cuda.current_stream()`` would answer, without building the object each
-    call; past ``MOST_STREAMS`` (a script making streams without end) the cache starts again.
-    ``side_stream``: the context manager under which the records thread reads a CUDA tensor
-    (default: a stream of torch's pool, made here)."""
+    ``calls``: ``torch_calls()`` (default: torch's; with ``event_factory`` given, fakes' calls:
+    device 0, its stream None, ``event.record(stream)``). A mark looks the current stream up in
+    a cache of stream objects keyed by the current device and the stream's raw handle (the
+    legacy default stream's is 0 on every device), as ``torch.cuda.current_stream()`` would
+    answer, without building the object each call; past ``MOST_STREAMS`` (``ExternalStream``
+    handles without end: torch's own streams are a fixed pool, 32 per priority and device) the
+    cache starts again. ``side_stream``: the context manager under which the records thread
+    reads a CUDA tensor; default: with torch's own events, a stream of torch's pool, made here;
+    with ``event_factory`` given, none (the current stream) unless given."""
 
     MOST_STREAMS = 256
 
     lazy = True
 
     def __init__(self, event_factory=None, pool_size: int = 512, device: int | None = None,
-                 side_stream=None, stream_calls=None):
+                 side_stream=None, calls: TorchCalls | None = None):
         if event_factory is None:
             import torch
 
             def event_factory():
                 return torch.cuda.Event(enable_timing=True)
-            stream_calls = stream_calls or torch_stream_calls()
+            calls = calls or torch_calls()
             if side_stream is None:
                 # Made here, at init() on the training thread. The first stream taken from a
                 # device's pool creates the pool, and that waits for the work queued on the
@@ -105,10 +121,10 @@ class CudaEventClock:
                 def side_stream():
                     return torch.cuda.stream(stream)
         self._factory = event_factory
-        self._get_device, self._raw_stream, self._make_stream, self._record = (
-            stream_calls or (_device_0, _raw_0, _no_stream, _record_method))
+        self._calls = calls or FAKE_CALLS
+        self._get_device, self._raw_stream, self._make_stream, self._record = self._calls[:4]
         self._streams: dict = {}
-        self._pool: list = []
+        self._pools: dict[int, list] = {}
         self._pool_size = pool_size
         self._device = device
         self._side_stream = side_stream or contextlib.nullcontext
@@ -122,11 +138,11 @@ class CudaEventClock:
             torch.cuda.set_device(self._device)
 
     def mark(self):
+        device = self._get_device()  # the calling thread's, as torch.cuda.current_stream()
         try:
-            ev = self._pool.pop()  # atomic: marks are taken on several threads
-        except IndexError:
+            ev = self._pools[device].pop()  # atomic: marks are taken on several threads
+        except (KeyError, IndexError):
             ev = self._factory()
-        device = self._get_device()  # the calling thread's current stream, as torch's
         key = device, self._raw_stream(device)
         try:
             stream = self._streams[key]
@@ -163,22 +179,18 @@ class CudaEventClock:
         return start.elapsed_time(end) * 1e-3
 
     def release(self, mark) -> None:
-        """Give a resolved event back for reuse (re-recording an event is allowed)."""
-        if len(self._pool) < self._pool_size:
-            self._pool.append(mark)
-
-
-def _device_0():
-    return 0
-
-
-def _raw_0(device):
-    return 0
-
-
-def _no_stream(device):
-    return None
+        """Give a resolved event back for reuse on its device (re-recording an event is
+        allowed). A script whose threads mark on different devices (``model.to("cuda:1")``
+        without ``set_device``: the training thread on device 0, autograd's on 1) got events of
+        one device for the other's marks, and torch refused each such record."""
+        pool = self._pools.setdefault(self._calls.event_device(mark), [])
+        if len(pool) < self._pool_size:
+            pool.append(mark)
 
 
 def _record_method(event, stream):
     event.record(stream)
+
+
+FAKE_CALLS = TorchCalls(lambda: 0, lambda device: 0, lambda device: None, _record_method,
+                        lambda event: 0)
