@@ -982,6 +982,35 @@ def test_released_events_are_reused_on_their_own_device_only():
     assert {d: len(p) for d, p in clock._pools.items()} == {0: 2, 1: 2}
 
 
+def test_marks_record_on_the_ranks_gpu_whatever_the_threads_current_device():
+    """The DDP tutorial's ``model.to(rank)`` without ``set_device``: the training thread's
+    current device stays 0 while its work runs on the rank's GPU, on that thread's current
+    stream of that GPU: the marks go there (on device 0's they timed nothing), and their events
+    are reused."""
+    recorded = []
+    calls = TorchCalls(lambda: 0, lambda d: 0x50 + d, lambda d: ("stream of", d),
+                       lambda event, stream: recorded.append(stream) or event.record(stream),
+                       lambda event: 0)
+    clock = CudaEventClock(lambda: FakeEvent(FakeStream()), device=1, calls=calls)
+    for _ in range(3):
+        clock.release(clock.mark())
+    assert recorded == [("stream of", 1)] * 3 and len(clock._pools[1]) == 1
+
+
+@pytest.mark.parametrize("current, count, env, gpu", [
+    (0, 8, {"LOCAL_RANK": "3"}, 3),        # never set_device: the local rank's GPU
+    (0, 4, {"LOCAL_RANK": "6"}, 2),        # modulo the GPUs visible
+    (0, 8, {"SLURM_LOCALID": "5"}, 5),
+    (3, 8, {"LOCAL_RANK": "3"}, 3),        # set_device(local_rank)
+    (2, 8, {"LOCAL_RANK": "5"}, 2),        # set_device to another: the script's choice
+    (0, 1, {"LOCAL_RANK": "3"}, 0),        # CUDA_VISIBLE_DEVICES: one GPU each
+    (0, 8, {"LOCAL_RANK": "0"}, 0),
+    (0, 8, {}, 0),
+])
+def test_the_ranks_gpu(current, count, env, gpu):
+    assert ident_mod.rank_gpu(current, count, env) == gpu
+
+
 def test_torch_calls_are_torchs_c_functions_where_torch_has_them(monkeypatch):
     """The mark's calls are torch's private C functions, each passed what torch's own
     ``Event.record()`` would: the device to ``_cuda_getCurrentRawStream`` and to

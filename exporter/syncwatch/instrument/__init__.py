@@ -179,7 +179,12 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
         "cuda" if "nccl" in str(dist.get_backend()) and torch.cuda.is_available() else "cpu")
     gpu, uuid = -1, ""
     if device == "cuda":
-        gpu = torch.cuda.current_device()
+        current = torch.cuda.current_device()
+        gpu = identity.rank_gpu(current, torch.cuda.device_count())
+        if gpu != current:
+            log.warning("syncwatch: the current CUDA device is %d on local rank %d: timing on "
+                        "GPU %d, the local rank's (torch.cuda.set_device(%d) before init() says "
+                        "so)", current, gpu, gpu, gpu)
         uuid = identity.cuda_uuid(gpu)
     ident = identity.resolve(rank=rank, world_size=world, job=job, attempt=attempt, node=node,
                              gpu=gpu, gpu_uuid=uuid)

@@ -88,9 +88,11 @@ class CudaEventClock:
     """CUDA events recorded on the current stream, recycled through a pool per device (an event
     records on its own device only: torch refuses another's stream).
 
-    ``calls``: ``torch_calls()`` (default: torch's; with ``event_factory`` given, fakes' calls:
-    device 0, its stream None, ``event.record(stream)``). A mark looks the current stream up in
-    a cache of stream objects keyed by the current device and the stream's raw handle (the
+    ``device``: the rank's GPU, whose current stream (on the calling thread) a mark records on,
+    as torch's ops on that GPU's tensors use it, whatever the thread's current device (default:
+    the current device). ``calls``: ``torch_calls()`` (default: torch's; with ``event_factory``
+    given, fakes' calls: device 0, its stream None, ``event.record(stream)``). A mark looks the
+    stream up in a cache of stream objects keyed by the device and the stream's raw handle (the
     legacy default stream's is 0 on every device), as ``torch.cuda.current_stream()`` would
     answer, without building the object each call; past ``MOST_STREAMS`` (``ExternalStream``
     handles without end: torch's own streams are a fixed pool, 32 per priority and device) the
@@ -138,7 +140,9 @@ class CudaEventClock:
             torch.cuda.set_device(self._device)
 
     def mark(self):
-        device = self._get_device()  # the calling thread's, as torch.cuda.current_stream()
+        device = self._device  # the rank's GPU, also from a thread whose current device is
+        if device is None:     # another (its work there runs on its current stream of this one)
+            device = self._get_device()
         try:
             ev = self._pools[device].pop()  # atomic: marks are taken on several threads
         except (KeyError, IndexError):
@@ -183,7 +187,8 @@ class CudaEventClock:
         allowed). A script whose threads mark on different devices (``model.to("cuda:1")``
         without ``set_device``: the training thread on device 0, autograd's on 1) got events of
         one device for the other's marks, and torch refused each such record."""
-        pool = self._pools.setdefault(self._calls.event_device(mark), [])
+        device = self._device if self._device is not None else self._calls.event_device(mark)
+        pool = self._pools.setdefault(device, [])
         if len(pool) < self._pool_size:
             pool.append(mark)
 

@@ -89,6 +89,18 @@ def cuda_uuid(index: int) -> str:
     return sanitize(raw if raw.startswith("GPU-") else "GPU-" + raw, "")
 
 
+def rank_gpu(current: int, count: int, env=None) -> int:
+    """The GPU this rank trains on: the current CUDA device, except where that is device 0 on
+    a node of several GPUs while the launcher's local rank is not 0 (modulo the GPUs visible):
+    the script never called ``torch.cuda.set_device`` and puts its work on the local rank's GPU
+    with ``model.to(rank)``, as torch's DDP tutorial does; NCCL guesses that GPU the same way."""
+    env = os.environ if env is None else env
+    local = _env_int(env, "LOCAL_RANK", "SLURM_LOCALID", default=0)
+    if current == 0 and count > 1 and local % count:
+        return local % count
+    return current
+
+
 def resolve(*, rank: int | None = None, world_size: int | None = None,
             local_rank: int | None = None, job: str | None = None, attempt: int | None = None,
             node: str | None = None, gpu: int = -1, gpu_uuid: str = "", env=None) -> Identity:
