@@ -355,15 +355,111 @@ def test_gpu_enumerated_again_but_unreadable_reads_down_under_both_series():
 def test_a_known_gpu_the_daemon_may_no_longer_open_is_not_reported_lost():
     """NVML initialized again answers NO_PERMISSION for index 3 (its device file no longer granted
     to the daemon): its UUID cannot be read, yet GPU 3 may well be that one, healthy. It is not
-    reported down (SyncwatchGpuLost would page); the collector error says index 3 is not watched."""
+    reported down (SyncwatchGpuLost would page); the collector errors say index 3 is not watched,
+    and that NVML, asked for GPU 3's UUID, answers NO_PERMISSION."""
     fake = FakeNvml(healthy_node(8))
     collector = GpuCollector(nvml=fake)
     cycle(collector)
     reinit(collector, fake)
     fake.gpus[3].error = N.NVML_ERROR_NO_PERMISSION
     reg, errors, _ = cycle(collector)
-    assert len(errors) == 1 and "gpu 3 not watched" in errors[0]
+    assert len(errors) == 2 and "gpu 3 not watched" in errors[0]
+    assert f"{UUID3} (gpu 3 when last read) not watched" in errors[1]
     assert reg.get_sample_value("syncwatch_gpu_up", labels(3)) is None
+
+
+def test_fake_nvml_handle_by_uuid_has_pynvml_semantics():
+    """nvmlDeviceGetHandleByUUID as pynvml calls it: the UUID as str (pynvml encodes it) or bytes;
+    the handle of the GPU listed with it; NOT_FOUND for a UUID no listed GPU has, GPU_IS_LOST
+    while a listed GPU is lost (NVML: "if any GPU has fallen off the bus"), the GPU's own error
+    for a GPU it finds that answers none (NO_PERMISSION as nvmlDeviceGetHandleByIndex does)."""
+    fake = FakeNvml(healthy_node(4))
+    with pytest.raises(N.NVMLError_Uninitialized):
+        fake.nvmlDeviceGetHandleByUUID(healthy_node(4)[2].uuid)
+    fake.nvmlInit()
+    for uuid in (healthy_node(4)[2].uuid, healthy_node(4)[2].uuid.encode()):
+        handle = fake.nvmlDeviceGetHandleByUUID(uuid)
+        assert isinstance(handle, N.c_nvmlDevice_t)
+        assert fake.nvmlDeviceGetIndex(handle) == 2
+        assert fake.nvmlDeviceGetUUID(handle) == healthy_node(4)[2].uuid
+    with pytest.raises(N.NVMLError_NotFound):
+        fake.nvmlDeviceGetHandleByUUID(healthy_node(5)[4].uuid)  # not a GPU of this node
+    fake.gpus[1].error = N.NVML_ERROR_NO_PERMISSION
+    with pytest.raises(N.NVMLError_NoPermission):
+        fake.nvmlDeviceGetHandleByUUID(healthy_node(4)[1].uuid)
+    assert fake.nvmlDeviceGetIndex(fake.nvmlDeviceGetHandleByUUID(healthy_node(4)[3].uuid)) == 3
+    with pytest.raises(N.NVMLError_NotFound):
+        fake.nvmlDeviceGetHandleByUUID(healthy_node(5)[4].uuid)
+    fake.fall_off_bus(0)
+    with pytest.raises(N.NVMLError_GpuIsLost):
+        fake.nvmlDeviceGetHandleByUUID(healthy_node(4)[0].uuid)
+    with pytest.raises(N.NVMLError_GpuIsLost):
+        fake.nvmlDeviceGetHandleByUUID(healthy_node(5)[4].uuid)
+    fake.initialized = 0
+    fake.nvmlInit()  # GPU 0 is listed no more
+    with pytest.raises(N.NVMLError_NotFound):
+        fake.nvmlDeviceGetHandleByUUID(healthy_node(4)[0].uuid)
+
+
+def test_a_gpu_gone_while_another_now_at_its_index_may_not_be_opened():
+    """GPU 2 falls off the bus; NVML initialized again lists 7 GPUs, and index 2 (now GPU 3,
+    healthy) answers NO_PERMISSION. The missing GPUs were told by their last index: GPU 2's is
+    the forbidden one, so it reported nothing, and GPU 3, its index 3 not forbidden, read
+    syncwatch_gpu_up{gpu="3"} 0 ("no longer enumerated"): a healthy GPU paged, the gone one
+    silent. NVML is now asked for each remembered UUID no index answered with: GPU 2 is not
+    found (gone: 0), GPU 3 may not be opened (not watched: an error, no page)."""
+    old = healthy_node(8)
+    fake = FakeNvml(healthy_node(8))
+    collector = GpuCollector(nvml=fake)
+    cycle(collector)
+    fake.fall_off_bus(2)
+    reinit(collector, fake)
+    fake.gpus[3].error = N.NVML_ERROR_NO_PERMISSION  # GPU 3: index 2 at the next init
+    reg, errors, families = cycle(collector)
+    up = "syncwatch_gpu_up"
+    assert reg.get_sample_value(up, labels(2)) == 0
+    assert [s.labels for f in families for s in f.samples if s.labels.get("uuid") == old[3].uuid] == []
+    for index, gpu in enumerate(old[4:], start=3):
+        assert reg.get_sample_value(up, {"gpu": str(index), "uuid": gpu.uuid}) == 1
+    assert sum(s.value == 0 for f in families if f.name == up for s in f.samples) == 1
+    assert len(errors) == 2, errors
+    assert "gpu 2 not watched" in errors[0]
+    assert old[3].uuid in errors[1] and "Insufficient Permissions" in errors[1]
+
+
+def test_a_missing_gpu_nvml_does_not_find_while_an_index_may_not_be_opened_is_not_paged():
+    """NVML does not document NO_PERMISSION for nvmlDeviceGetHandleByUUID: a real library may
+    answer NOT_FOUND for a GPU the daemon may not open. Then a GPU not found may be the one at
+    the forbidden index, healthy: while a forbidden index is left that no remembered UUID was
+    placed at, a remembered GPU NVML does not find is not reported down (an error says why)."""
+    old = healthy_node(8)
+    fake = FakeNvml(healthy_node(8))
+    collector = GpuCollector(nvml=fake)
+    cycle(collector)
+    fake.fall_off_bus(2)
+    reinit(collector, fake)
+    third = fake.gpus[3]
+    third.error = N.NVML_ERROR_NO_PERMISSION  # index 2 at the next init
+    by_uuid = fake.nvmlDeviceGetHandleByUUID
+
+    def not_found_when_forbidden(uuid):
+        try:
+            return by_uuid(uuid)
+        except N.NVMLError_NoPermission:
+            raise N.NVMLError(N.NVML_ERROR_NOT_FOUND) from None
+    fake.nvmlDeviceGetHandleByUUID = not_found_when_forbidden
+    reg, errors, families = cycle(collector)
+    assert [s.labels for f in families for s in f.samples
+            if s.labels.get("uuid") in (old[2].uuid, old[3].uuid)] == []
+    assert all(s.value == 1 for f in families if f.name == "syncwatch_gpu_up" for s in f.samples)
+    assert len(errors) == 2, errors
+    assert old[2].uuid in errors[1] and old[3].uuid in errors[1] and "gpu 2" in errors[1]
+    # the permission granted again: GPU 3 read at index 2, GPU 2 down under its last index
+    third.error = None
+    reg, errors, _ = cycle(collector)
+    assert errors == []
+    assert reg.get_sample_value("syncwatch_gpu_up", labels(2)) == 0
+    assert reg.get_sample_value("syncwatch_gpu_up", {"gpu": "2", "uuid": old[3].uuid}) == 1
 
 
 def test_labels_match_rank_info_format():

@@ -185,6 +185,30 @@ class FakeNvml:
             raise pynvml.NVMLError(self.gpus[index].error)
         return pynvml.c_nvmlDevice_t(self._structs[index])
 
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        """pynvml's ``nvmlDeviceGetHandleByUUID(uuid)``: the UUID as ``str`` (pynvml encodes it for
+        the C call) or ``bytes``. NVML searches the GPUs it lists, initializing them as it goes.
+        The codes are those NVML documents for the call: the handle of the GPU listed with that
+        UUID, ``NOT_FOUND`` when no listed GPU has it, ``GPU_IS_LOST`` while a GPU met in the
+        search "has fallen off the bus or is otherwise inaccessible" (a lost GPU before it in
+        index order, or any lost GPU when it is not found). The GPU found answers its own error
+        (as every call on it does): for ``NO_PERMISSION``, which NVML documents for
+        nvmlDeviceGetHandleByIndex but not for this call, that is an assumption (a real library
+        may answer ``NOT_FOUND`` for a GPU it may not open; the collector copes with both)."""
+        self._enter("nvmlDeviceGetHandleByUUID")
+        if isinstance(uuid, bytes):
+            uuid = uuid.decode()
+        if not isinstance(uuid, str):
+            raise TypeError(f"uuid must be str or bytes, not {type(uuid).__name__}")  # ctypes' c_char_p
+        for index, gpu in enumerate(self.gpus):
+            if gpu.uuid == uuid:
+                if gpu.error is not None:
+                    raise pynvml.NVMLError(gpu.error)
+                return pynvml.c_nvmlDevice_t(self._structs[index])
+            if gpu.error == pynvml.NVML_ERROR_GPU_IS_LOST:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+
     def nvmlDeviceGetIndex(self, handle):
         self._enter("nvmlDeviceGetIndex")
         return self._index(handle)

@@ -30,15 +30,21 @@ Failure semantics:
   closed and initialized again, and every UUID read anew (indices are NVML's of this
   initialization). A GPU that fell off the bus may then be listed no more: the count is lower and
   the GPUs after it move down one index. The collector remembers every GPU it has read since the
-  daemon started (UUID -> last index, bounded by the GPUs the node ever had); one that no index
-  answers with in a cycle reports ``syncwatch_gpu_up{gpu=<its last index>, uuid} 0`` and none of
-  its values, with one warning when it goes missing, until NVML lists it again (then it is up
-  under whatever index it has); without this its series vanished, SyncwatchGpuLost with them.
-  Its last index may now be another GPU's: the two series differ by ``uuid``. A GPU enumerated
-  but down before its UUID was read (``uuid=""``) may be the missing one or another: both read 0.
-  An index the daemon may not open (its UUID unread) may be the missing GPU, healthy: a missing
-  GPU whose last index that is reports nothing. XIDs counted before stay as they are. A GPU whose
-  UUID was never read is not remembered: if it leaves the list, its ``uuid=""`` series goes too.
+  daemon started (UUID -> last index, bounded by the GPUs the node ever had). For one that no
+  index answers with in a cycle, NVML is asked for its UUID (``nvmlDeviceGetHandleByUUID``):
+  ``NOT_FOUND`` (gone), or ``GPU_IS_LOST`` and any other failure (down), reports
+  ``syncwatch_gpu_up{gpu=<its last index>, uuid} 0`` and none of its values, with one warning
+  when it goes missing, until NVML lists it again (then it is up under whatever index it has);
+  without this its series vanished, SyncwatchGpuLost with them. ``NO_PERMISSION`` (there, not
+  watchable) reports nothing and is a collector error, as below; a handle (there, at an index
+  that answered no UUID) reports nothing more than that index. Its last index may now be another
+  GPU's: the two series differ by ``uuid``. A GPU enumerated but down before its UUID was read
+  (``uuid=""``) may be the missing one or another: both read 0. While indices answer
+  NO_PERMISSION that no missing GPU is placed at (NVML documents no NO_PERMISSION for the UUID
+  call: a library may answer NOT_FOUND for a GPU it may not open), a missing GPU may be at one
+  of them, healthy, and is not reported down (the collector error says so). XIDs counted before
+  stay as they are. A GPU whose UUID was never read is not remembered: if it leaves the list,
+  its ``uuid=""`` series goes too.
 * ``NOT_SUPPORTED`` means that one metric is absent for that GPU, and ``FUNCTION_NOT_FOUND`` (the
   driver predates the call) that it is absent on this node; the clock-event reasons then come
   from the older name of the same call. Any other NVML error drops that metric and is reported as
@@ -290,7 +296,7 @@ class GpuCollector:
                     ecc.add_metric([*labels, kind], values[kind])
             if values.get("replays") is not None:
                 replays.add_metric(labels, values["replays"])
-        self._export_missing(up, count, forbidden)
+        self._export_missing(up, count, forbidden, errors)
 
         if self._events is None:
             self._make_events(count, errors)
@@ -336,18 +342,32 @@ class GpuCollector:
                         ", ".join(f"{i} ({uuid})" for uuid, i in known), self._backoff_max)
         return [up, *self._xid_families()]
 
-    def _export_missing(self, up: GaugeMetricFamily, count: int, forbidden: set[int]) -> None:
+    def _export_missing(self, up: GaugeMetricFamily, count: int, forbidden: set[int],
+                        errors: list[str]) -> None:
         """``syncwatch_gpu_up 0`` under its last index for each GPU seen since the daemon started
-        that no index answers with this cycle. NVML initialized again (after a driver reset) may
-        no longer enumerate a GPU that fell off the bus: nvmlDeviceGetCount is lower, its UUID at
-        no index, and its series, up 0 included, vanished: SyncwatchGpuLost resolved, or never
-        fired, just when the GPU was most lost.
+        that no index answers with this cycle and NVML does not find, or finds down. NVML
+        initialized again (after a driver reset) may no longer enumerate a GPU that fell off the
+        bus: nvmlDeviceGetCount is lower, its UUID at no index, and its series, up 0 included,
+        vanished: SyncwatchGpuLost resolved, or never fired, just when the GPU was most lost.
+
+        Whether such a GPU is gone is NVML's answer to its UUID (nvmlDeviceGetHandleByUUID, asked
+        only for the remembered UUIDs no index answered with): ``NOT_FOUND``, gone;
+        ``GPU_IS_LOST`` and any other failure, down (NVML answers GPU_IS_LOST while any GPU it
+        lists is lost); ``NO_PERMISSION``, there but not watchable (a collector error, no page);
+        a handle, there (its index answered no UUID this cycle: that index's series says what
+        it is). It was told by the GPU's last index, skipped when that index answered
+        NO_PERMISSION: after the renumbering that index is another GPU's, so a gone GPU whose
+        last index was forbidden reported nothing, and a healthy GPU now at a forbidden index
+        read 0 under its last one: paged.
+
+        NVML documents no NO_PERMISSION for that call: a library may answer NOT_FOUND for a GPU
+        the daemon may not open. While fewer remembered GPUs answered NO_PERMISSION than indices
+        did, a GPU not found (or found down) may sit at a forbidden index, healthy: it is then
+        not reported down, and the collector error says so.
 
         The last index may now be another GPU's (those after it move down): the label sets differ
         by ``uuid``. A GPU enumerated but down before its UUID was read (``uuid=""``) may be the
-        missing one or not: both read 0, both true. One the daemon may not open (``forbidden``,
-        its UUID unread) may be the missing one, healthy: a missing GPU whose last index that is
-        is not reported down (the collector error says the index is not watched)."""
+        missing one or not: both read 0, both true."""
         seen = {uuid: i for i, uuid in self._uuids.items() if i < count}
         for uuid, i in seen.items():
             if uuid in self._missing:
@@ -355,15 +375,42 @@ class GpuCollector:
                 log.info("gpu %d (%s) is enumerated again (it was gpu %d before it went)",
                          i, uuid, self._known[uuid])
             self._known[uuid] = i
-        for uuid, i in sorted(self._known.items(), key=lambda item: (item[1], item[0])):
-            if uuid in seen or i in forbidden:
+        unseen = [(uuid, i) for uuid, i in sorted(self._known.items(), key=lambda item: (item[1], item[0]))
+                  if uuid not in seen]
+        if not unseen:
+            return
+        nv = self.nvml
+        down: list[tuple[str, int, Exception]] = []
+        placed = 0  # remembered GPUs NVML says the daemon may not open: each at a forbidden index
+        for uuid, i in unseen:
+            try:
+                nv.nvmlDeviceGetHandleByUUID(uuid)
+            except nv.NVMLError as e:
+                if e.value == nv.NVML_ERROR_NO_PERMISSION:
+                    placed += 1
+                    errors.append(f"{uuid} (gpu {i} when last read) not watched: "
+                                  f"nvmlDeviceGetHandleByUUID: {e}")
+                else:
+                    down.append((uuid, i, e))
                 continue
+            # NVML has it, at an index that answered no UUID this cycle: that index says what it is
+        if down and len(forbidden) > placed:
+            errors.append("not reported down, as gpu " + ", ".join(map(str, sorted(forbidden)))
+                          + " may not be opened and may be any of them: "
+                          + ", ".join(f"{uuid} (gpu {i} when last read, "
+                                      f"nvmlDeviceGetHandleByUUID: {e})" for uuid, i, e in down))
+            return
+        for uuid, i, e in down:
             up.add_metric([str(i), uuid], 0)
             if uuid not in self._missing:
                 self._missing.add(uuid)
-                log.warning("gpu %d (%s) is no longer enumerated: no GPU NVML lists answers with its "
-                            "UUID (fallen off the bus, or down before its UUID was read); it reads "
-                            "syncwatch_gpu_up 0 under gpu %d until NVML lists it again", i, uuid, i)
+                if e.value == nv.NVML_ERROR_NOT_FOUND:
+                    state = f"no longer enumerated: NVML finds no GPU with its UUID ({e})"
+                else:
+                    state = (f"down: no index read this cycle answers with its UUID, and NVML "
+                             f"asked for it answers {e}")
+                log.warning("gpu %d (%s) is %s; it reads syncwatch_gpu_up 0 under gpu %d until "
+                            "NVML lists it again", i, uuid, state, i)
 
     def _read_gpu(self, i: int, errors: list[str]):
         nv = self.nvml
