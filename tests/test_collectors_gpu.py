@@ -601,14 +601,20 @@ def test_nvml_failing_after_init_reinitializes():
     assert fake.initialized == 1
 
 
-@pytest.mark.parametrize("code", [N.NVML_ERROR_DRIVER_NOT_LOADED, N.NVML_ERROR_LIBRARY_NOT_FOUND],
-                         ids=["driver_not_loaded", "library_not_found"])
+ABSENT = [N.NVML_ERROR_DRIVER_NOT_LOADED, N.NVML_ERROR_LIBRARY_NOT_FOUND, N.NVML_ERROR_GPU_NOT_FOUND]
+ABSENT_IDS = ["driver_not_loaded", "library_not_found", "gpu_not_found"]
+
+
+@pytest.mark.parametrize("code", ABSENT, ids=ABSENT_IDS)
 def test_driver_gone_after_gpus_were_read_reads_them_down(caplog, code):
     """The driver unloads under a node whose GPUs the daemon has read (a reset that does not come
     back; or its library removed): nvmlDeviceGetCount fails, NVML is initialized again, and init
     answers DRIVER_NOT_LOADED (LIBRARY_NOT_FOUND). That counted as "NVML absent", as on a node
     without GPUs: NoData, every GPU series gone, the remembered ones too, success 1 and not a word,
-    and SyncwatchGpuLost never fired while every job on the node was dead. Each GPU read since the
+    and SyncwatchGpuLost never fired while every job on the node was dead. GPU_NOT_FOUND ("No
+    GPUs were found": pynvml's nvmlInit passes no flag allowing that, so NVML fails init once the
+    node's last GPU left the bus) was an init error: the last snapshot, up 1, served for 15 s,
+    then every GPU series withdrawn, success 0, and SyncwatchGpuLost never fired. Each GPU read since the
     daemon started now reads up 0 under its last index and UUID (nothing else: its XIDs counted
     before stay), with one warning, through the init retries and their backoff; once the driver
     answers again the GPUs read up."""
@@ -650,7 +656,9 @@ def test_driver_gone_after_gpus_were_read_reads_them_down(caplog, code):
         promtool_check(text)
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, caplog.text
-    assert "NVML absent" in warnings[0].getMessage() and UUID3 in warnings[0].getMessage()
+    assert UUID3 in warnings[0].getMessage()
+    assert ("NVML finds no GPU" if code == N.NVML_ERROR_GPU_NOT_FOUND else "NVML absent") \
+        in warnings[0].getMessage()
 
     fake.init_error = None  # the driver is back: the GPUs read up at the next init attempt
     clock.t += 40
@@ -692,11 +700,15 @@ def test_driver_back_without_a_gpu_that_fell_off_the_bus():
     assert reg.get_sample_value("syncwatch_gpu_up", labels(3)) == 0
 
 
-def test_nvml_absent_on_a_node_that_never_had_gpus_stays_quiet(caplog):
+@pytest.mark.parametrize("code", ABSENT, ids=ABSENT_IDS)
+def test_nvml_absent_on_a_node_that_never_had_gpus_stays_quiet(caplog, code):
     """The fake twin of test_real_nvml_absent_is_quiet_no_data: no GPU was ever read, so NVML
-    absent is a node without GPUs: no GPU series, success 1, no warning, retries included."""
+    absent is a node without GPUs: no GPU series, success 1, no warning, retries included.
+    GPU_NOT_FOUND at init is a node with a driver installed and no GPU: it was an init error,
+    success 0 and SyncwatchCollectorFailing on every such node, where DRIVER_NOT_LOADED (no
+    driver) was quiet."""
     clock = Clock()
-    fake = FakeNvml(init_error=N.NVML_ERROR_DRIVER_NOT_LOADED)
+    fake = FakeNvml(init_error=code)
     runner = CollectorRunner({"gpu": GpuCollector(nvml=fake, clock=clock)}, clock=clock)
     with caplog.at_level(logging.WARNING, logger="syncwatch.collectors"):
         for _ in range(5):
@@ -707,6 +719,29 @@ def test_nvml_absent_on_a_node_that_never_had_gpus_stays_quiet(caplog):
             assert not [f for f in families if f.name.startswith("syncwatch_gpu")]
             clock.t += 10
     assert caplog.records == []
+
+
+def test_driver_replaced_under_the_daemon_is_an_error_that_says_restart_it(caplog):
+    """NVML_ERROR_LIB_RM_VERSION_MISMATCH from nvmlInit: the driver was reloaded at another version
+    (an upgrade) while this daemon holds the old NVML library, which pynvml loads once per process
+    and never unloads, so no retry can clear it. The GPUs are not known lost (the new driver most
+    likely runs them): no syncwatch_gpu_up 0 (SyncwatchGpuLost would page every GPU of the node),
+    an error (success 0: SyncwatchCollectorFailing) that says to restart the daemon."""
+    clock = Clock()
+    fake = FakeNvml(healthy_node(2))
+    runner = CollectorRunner({"gpu": GpuCollector(nvml=fake, clock=clock)}, clock=clock)
+    runner.run_once()
+    fake.initialized = 0
+    fake.init_error = N.NVML_ERROR_LIB_RM_VERSION_MISMATCH
+    runner.run_once()  # nvmlDeviceGetCount fails: NVML initialized again next cycle
+    clock.t += 60  # past the runner's once-a-minute error log
+    with caplog.at_level(logging.ERROR, logger="syncwatch.collectors"):
+        runner.run_once()
+    families = runner.collect()
+    v = registry_of(families).get_sample_value
+    assert v("syncwatch_collector_success", {"collector": "gpu"}) == 0
+    assert not [f for f in families if f.name == "syncwatch_gpu_up"]  # stale snapshot withdrawn
+    assert "version mismatch" in caplog.text and "restart the daemon" in caplog.text
 
 
 def test_golden_gpu_files_pass_promtool():

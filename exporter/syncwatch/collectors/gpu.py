@@ -5,14 +5,19 @@ demos), so everything here is exercised on machines without a GPU.
 
 Failure semantics:
 
-* NVML absent (no library, no driver: ``LIBRARY_NOT_FOUND``, ``DRIVER_NOT_LOADED``) on a node
-  where this daemon never read a GPU: ``NoData``, quietly (a node without GPUs); other init
-  failures are errors, ``FUNCTION_NOT_FOUND`` included (a library too old for the init call: a
-  driver to upgrade, not a node without GPUs). Either way initialization is retried with
-  exponential backoff (10 s doubling to 5 min).
-* NVML absent once the daemon has read GPUs (NVML initialized again after a failure, e.g. of
-  ``nvmlDeviceGetCount`` in a driver reset, and the driver stays unloaded or its library went):
-  no node without GPUs but a failure of all of them. Every GPU it remembers (below) reports
+* NVML absent (no library, no driver: ``LIBRARY_NOT_FOUND``, ``DRIVER_NOT_LOADED``), or finding
+  no GPU (``GPU_NOT_FOUND``: pynvml's ``nvmlInit`` passes flags 0, so NVML fails init on a node
+  with a driver and no GPU), on a node where this daemon never read a GPU: ``NoData``, quietly (a
+  node without GPUs); other init failures are errors, ``FUNCTION_NOT_FOUND`` included (a library
+  too old for the init call: a driver to upgrade, not a node without GPUs), and
+  ``LIB_RM_VERSION_MISMATCH`` (the driver reloaded at another version under the daemon, whose
+  library pynvml never reloads: restart the daemon; the GPUs are not reported down, they are
+  most likely fine, only unwatched). Either way initialization is retried with exponential
+  backoff (10 s doubling to 5 min).
+* NVML absent, or finding no GPU, once the daemon has read GPUs (NVML initialized again after a
+  failure, e.g. of ``nvmlDeviceGetCount`` in a driver reset, and the driver stays unloaded or its
+  library went, or the node's only GPUs left the bus): no node without GPUs but a failure of all
+  of them. Every GPU it remembers (below) reports
   ``syncwatch_gpu_up{gpu=<its last index>, uuid} 0`` and none of its values (its XIDs counted
   before stay), with one warning (not one per retry), through the init retries and their backoff;
   once NVML initializes again the GPUs it lists read up under their indices (an info line says
@@ -150,7 +155,13 @@ class GpuCollector:
         self._down = {nv.NVML_ERROR_GPU_IS_LOST, nv.NVML_ERROR_RESET_REQUIRED, nv.NVML_ERROR_TIMEOUT}
         # FUNCTION_NOT_FOUND from nvmlInit is no absence: the library is there, too old for the
         # init call (a driver an operator must see), and counted as absent it was silent, success 1
-        self._absent = {nv.NVML_ERROR_LIBRARY_NOT_FOUND, nv.NVML_ERROR_DRIVER_NOT_LOADED}
+        # GPU_NOT_FOUND ("No GPUs were found"): pynvml's nvmlInit passes flags 0, without
+        # NVML_INIT_FLAG_NO_GPUS, so init fails on a node with a driver and no GPU, or whose last
+        # GPU left the bus. getattr: a constant an older nvidia-ml-py may lack.
+        self._no_gpu = getattr(nv, "NVML_ERROR_GPU_NOT_FOUND", None)
+        self._absent = {c for c in (nv.NVML_ERROR_LIBRARY_NOT_FOUND, nv.NVML_ERROR_DRIVER_NOT_LOADED,
+                                    self._no_gpu) if c is not None}
+        self._rm_mismatch = getattr(nv, "NVML_ERROR_LIB_RM_VERSION_MISMATCH", None)
         self._reasons = [(label, getattr(nv, const)) for label, const in THROTTLE_REASONS]
         self._thermal = nv.nvmlClocksEventReasonSwThermalSlowdown | nv.nvmlClocksEventReasonHwThermalSlowdown
         self._value_members = {getattr(nv, name): member for name, member in VALUE_MEMBERS
@@ -173,12 +184,19 @@ class GpuCollector:
             self._retry_at = now + self._backoff
             self._backoff = min(self._backoff * 2, self._backoff_max)
             if e.value in self._absent:
-                self._init_failure = NoData(f"NVML absent: {e}")
+                what = "NVML finds no GPU" if e.value == self._no_gpu else "NVML absent"
+                self._init_failure = NoData(f"{what}: {e}")
                 raise self._init_failure from None
             reason = str(e)
             if e.value == nv.NVML_ERROR_FUNCTION_NOT_FOUND:
                 reason += (": the node's NVML library (libnvidia-ml, from the driver) lacks the init "
                            "call nvidia-ml-py makes: a driver older than this nvidia-ml-py supports")
+            elif e.value == self._rm_mismatch:
+                # Not syncwatch_gpu_up 0: the GPUs are not known lost (the new driver most likely
+                # runs them), and SyncwatchGpuLost would page each. The daemon is what is broken.
+                reason += (": the driver was reloaded at another version (an upgrade) under this "
+                           "daemon, whose NVML library, loaded once per process, is the old one; "
+                           "no GPU is watched until you restart the daemon")
             self._init_failure = RuntimeError(reason)
             raise RuntimeError(f"nvmlInit failed: {reason}") from None
         self._ready = True
@@ -321,11 +339,13 @@ class GpuCollector:
         return [xids, xid_last]
 
     def _nvml_gone(self, why: NoData) -> list:
-        """NVML absent (``DRIVER_NOT_LOADED``, ``LIBRARY_NOT_FOUND``) on a node whose GPUs this
-        daemon has read: the driver unloaded (a reset it did not come back from) or its library
-        went. That is no node without GPUs but a failure of all of them: it read as NoData, every
-        GPU series vanished, the remembered ones too, and SyncwatchGpuLost never fired while every
-        job on the node was dead. Each GPU seen since the daemon started reads
+        """NVML absent (``DRIVER_NOT_LOADED``, ``LIBRARY_NOT_FOUND``) or finding no GPU
+        (``GPU_NOT_FOUND``) on a node whose GPUs this daemon has read: the driver unloaded (a
+        reset it did not come back from) or its library went, or every GPU left the bus (a
+        single-GPU node whose GPU fell off). That is no node without GPUs but a failure of all of
+        them: it read as NoData (GPU_NOT_FOUND: an init error, the last snapshot served 15 s,
+        then every GPU series withdrawn), the remembered ones too, and SyncwatchGpuLost never
+        fired while every job on the node was dead. Each GPU seen since the daemon started reads
         ``syncwatch_gpu_up{gpu=<its last index>, uuid} 0`` and none of its values (its XIDs
         counted before stay), with one warning, until NVML initializes again (retried with the
         backoff). Not a collector error, as for a GPU lost: a hardware state, said by gpu_up."""
@@ -336,7 +356,8 @@ class GpuCollector:
         if not self._gone_warned:
             self._gone_warned = True
             log.warning("%s on a node whose GPUs this daemon has read: the driver unloaded (or its "
-                        "library went), none of its GPUs works; gpu %s read syncwatch_gpu_up 0 "
+                        "library went), or every GPU left the bus; none of its GPUs works; gpu %s "
+                        "read syncwatch_gpu_up 0 "
                         "under their last index until NVML answers again (init retried with "
                         "backoff, at most %gs apart)", why,
                         ", ".join(f"{i} ({uuid})" for uuid, i in known), self._backoff_max)
