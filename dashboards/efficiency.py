@@ -12,9 +12,16 @@ UID = "syncwatch-efficiency"
 
 
 def _per_rank_gpu(expr: str) -> str:
-    """A GPU expression (labels uuid, ...) joined to the job's ranks through the GPU uuid each rank
-    reports: one series per rank with labels train_job, rank."""
-    return (f'({expr} * on (uuid) group_right () '
+    """A GPU rate expression (labels uuid, ...) joined to the job's ranks through the GPU uuid each
+    rank reports: one series per rank with labels train_job, rank.
+
+    Summed by uuid first: one GPU may have two series in the window, one after the other (NVML
+    initialized again without a GPU that fell off the bus renumbers those after it, same uuid
+    under another ``gpu``; a restarted daemon may come back under another ``instance``). The
+    join found duplicate series on its one side and failed for the rate window after it, over
+    ``$__range`` for as long as the range held both; rate() divides each one's increase by the
+    whole window, so their sum is the GPU's rate (max read a part of it)."""
+    return (f'(sum by (uuid) ({expr}) * on (uuid) group_right () '
             f'topk by (train_job, rank) (1, syncwatch_rank_info{{{JOB}}}))')
 
 

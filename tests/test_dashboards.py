@@ -347,6 +347,31 @@ def test_efficiency_reads_the_steps_of_the_skew_exchange(tmp_path):
     ], rule_files=RECORDING_RULES)
 
 
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus)")
+def test_efficiency_joins_a_gpu_renumbered_by_nvml_once(tmp_path):
+    """Same job, each GPU drawing 200 W; at 300 s rank 1's daemon re-initialized NVML without a
+    GPU that fell off the bus and exports GPU-b0 as gpu="0", no longer gpu="1": the rate window
+    holds one uuid under two label sets. The panels' join on uuid found duplicate series on its
+    one side ("many-to-many matching not allowed") and failed, for the rate window after it and,
+    over $__range, for as long as the range held both. The two series follow each other, and
+    rate() divides each one's increase by the whole window: their sum is the GPU's power (max
+    read 125 W at 315 s)."""
+    series = _skew_exchange_job(3)
+    total = 39
+    series['syncwatch_gpu_energy_joules_total{gpu="0", uuid="GPU-a0", instance="a:9477"}'] = f"0+3000x{total}"
+    series['syncwatch_gpu_energy_joules_total{gpu="1", uuid="GPU-b0", instance="b:9477"}'] = "0+3000x19 stale"
+    series['syncwatch_gpu_energy_joules_total{gpu="0", uuid="GPU-b0", instance="b:9477"}'] = "_x20 60000+3000x19"
+    title = "Power burned waiting at barriers"
+    waiting = f'round({_panel_expr("syncwatch-efficiency", title)}, 0.0001)'
+    everything = f'round({_panel_expr("syncwatch-efficiency", title, "B")}, 0.0001)'
+    share = f'round({_panel_expr("syncwatch-efficiency", "Energy burned waiting in range", "B")}, 0.01)'
+    _promtool_expect(tmp_path, series, [
+        (everything, "315s", [{"labels": '{train_job="j"}', "value": 400}]),
+        (waiting, "315s", [{"labels": '{train_job="j"}', "value": 20}]),
+        (share, "585s", [{"labels": '{train_job="j"}', "value": 0.05}]),
+    ], rule_files=RECORDING_RULES)
+
+
 def _mean_wait_job(step_seconds: float, skew: float = 0.3, transfer: float = 0.05) -> dict[str, str]:
     """The job of ``_skew_exchange_job`` without the skew exchange (K = 0): no slack, last-arrival
     or skew series, only the waits (rank 0 waits ``transfer`` every step, rank 1 ``skew`` more),

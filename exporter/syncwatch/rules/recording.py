@@ -271,9 +271,16 @@ def recording_rules(c: Ctx) -> list[dict]:
         {"record": "train_job:syncwatch_efficiency:ratio_to_baseline",
          "expr": "train_job:syncwatch_samples_per_gpu:rate5m\n/\ntrain_job:syncwatch_samples_per_gpu:baseline1h"},
         # --- energy: GPU energy of the job's GPUs (joined by uuid) per sample
+        # One GPU may have two series in the window: NVML, initialized again without a GPU that
+        # fell off the bus, renumbers the GPUs after it (gpu="4" becomes gpu="3", same uuid), and
+        # a restarted daemon may come back under another instance. The join then found duplicate
+        # series on its one side and the rule failed for every job for 5m. The series follow
+        # each other (a GPU is exported under one index at a time) and rate() divides each one's
+        # increase by the whole window: their sum is the GPU's power (max read half of it
+        # halfway through the window).
         {"record": "train_job:syncwatch_gpu_power:watts5m",
          "expr": f"sum by (train_job) (\n"
-                 f"  rate(syncwatch_gpu_energy_joules_total[{r}])\n"
+                 f"  sum by (uuid) (rate(syncwatch_gpu_energy_joules_total[{r}]))\n"
                  f"  * on (uuid) group_right\n"
                  f"  group by (train_job, uuid) (syncwatch_rank_info{{uuid!=\"\"}})\n)"},
         {"record": "train_job:syncwatch_energy_per_sample:joules5m",
