@@ -170,8 +170,10 @@ def build() -> db.Dashboard:
                   "XID error events per GPU and XID code since the node daemon started (driver-"
                   "reported faults: 79 = GPU fell off the bus, 48/63/64 = ECC, 13/31/43 = "
                   "application faults). A count on a node with late ranks or before a restart is "
-                  "the likely cause. Only GPUs that had an event are listed.",
-                  query(f'sum by (node, gpu, xid) (syncwatch_gpu_xid_errors_total {ON_DAEMON})',
+                  "the likely cause. Only GPUs that had an event are listed. Go by uuid: a GPU gone "
+                  "from NVML's list keeps its XIDs under its last gpu index, which after the "
+                  "renumbering may be another GPU's (a row each).",
+                  query(f'sum by (node, gpu, uuid, xid) (syncwatch_gpu_xid_errors_total {ON_DAEMON})',
                         instant=True, table=True),
                   w=8)
             .sort_by([cb.TableSortByFieldState().display_name("Value").desc(True)]))

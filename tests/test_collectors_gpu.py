@@ -264,6 +264,43 @@ def reinit(collector: GpuCollector, fake: FakeNvml) -> None:
         collector.update([])
 
 
+def test_xids_of_a_renumbered_gpu_move_to_its_new_index():
+    """GPU 4 had XID 79; GPU 3 falls off the bus and NVML, initialized again, lists GPU 4 as
+    index 3. Its XIDs were keyed by (index, uuid, xid): those counted before stayed under gpu="4"
+    and a new one under gpu="3" started a second series, so SyncwatchGpuXidCritical fired twice for
+    one GPU, and gpu="4" (now GPU 5's index) carried GPU 4's old XIDs on a dashboard summing by
+    node and gpu. A remembered GPU read under a new index takes its XID counts and times along:
+    one series per GPU and XID, under the index it has now."""
+    wall = Clock()
+    wall.t = 1_700_000_000.0
+    old = healthy_node(8)
+    fake = FakeNvml(healthy_node(8))
+    collector = GpuCollector(nvml=fake, wall_clock=wall)
+    cycle(collector)
+    fake.xid(4, 79)
+    fake.xid(3, 48)
+    cycle(collector)
+    fake.fall_off_bus(3)
+    reinit(collector, fake)
+    wall.t += 60
+    reg, errors, families = cycle(collector)
+    assert errors == []
+    xids, stamp = "syncwatch_gpu_xid_errors_total", "syncwatch_gpu_xid_last_event_timestamp_seconds"
+    moved = {"gpu": "3", "uuid": old[4].uuid, "xid": "79"}
+    assert reg.get_sample_value(xids, moved) == 1
+    assert reg.get_sample_value(stamp, moved) == 1_700_000_000.0
+    assert reg.get_sample_value(xids, {"gpu": "4", "uuid": old[4].uuid, "xid": "79"}) is None
+    assert reg.get_sample_value(xids, labels(3, xid="48")) == 1  # the gone GPU's stay with it
+    fake.xid(3, 79)  # GPU 4, index 3 now
+    reg, _, families = cycle(collector)
+    assert reg.get_sample_value(xids, moved) == 2
+    assert reg.get_sample_value(stamp, moved) == 1_700_000_060.0
+    series = [tuple(sorted(s.labels.items())) for f in families if f.name.startswith("syncwatch_gpu_xid")
+              for s in f.samples if s.labels["uuid"] == old[4].uuid]
+    assert len(series) == 2, series  # one count, one time
+    promtool_check(render(families))
+
+
 def test_gpu_gone_from_the_enumeration_after_nvml_comes_back_reads_down(caplog):
     """GPU 3 falls off the bus, and NVML, initialized again (a driver reset), no longer enumerates
     it: nvmlDeviceGetCount is 7 and its UUID at no index. Its series vanished with it, up 0

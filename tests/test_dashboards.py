@@ -537,6 +537,22 @@ def test_throttle_reasons_show_only_the_reasons_that_slow_a_gpu_down(tmp_path):
         (_panel_expr("syncwatch-hardware", "GPU throttle reasons", node=None), "2m", expected)])
 
 
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus)")
+def test_xid_table_keeps_a_gone_gpu_apart_from_the_one_now_at_its_index(tmp_path):
+    """GPU-a3 logged XID 79 and fell off the bus; NVML, initialized again, lists GPU-a4 as index 3,
+    and it logs XID 79 too. The daemon keeps the gone GPU's XIDs under its last index: both
+    series have gpu="3". Summed by node, gpu and xid the table showed one row, 2 XIDs on gpu 3,
+    the gone GPU's added to the healthy one's; by uuid too, a row each."""
+    series = _hardware_daemons(("a",))
+    for uuid in ("GPU-a3", "GPU-a4"):
+        series[f'syncwatch_gpu_xid_errors_total{{gpu="3", uuid="{uuid}", xid="79", instance="a:9477"}}'] = "1x20"
+    _promtool_expect(tmp_path, series, [
+        (_panel_expr("syncwatch-hardware", "XID errors", node=None), "2m",
+         [{"labels": f'{{node="a", gpu="3", uuid="{uuid}", xid="79"}}', "value": 1}
+          for uuid in ("GPU-a3", "GPU-a4")]),
+    ])
+
+
 RUNBOOK = ROOT / "docs" / "runbook.md"
 #: Dashboard titles as the runbook names them ("syncwatch / Job overview" -> "Job overview").
 _BY_TITLE = {d["title"].removeprefix("syncwatch / "): d for d in DASHBOARDS.values()}

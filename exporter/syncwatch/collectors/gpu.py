@@ -49,7 +49,8 @@ Failure semantics:
   call: a library may answer NOT_FOUND for a GPU it may not open), a missing GPU may be at one
   of them, healthy, and is not reported down (the collector error says so). XIDs counted before
   stay as they are. A GPU whose UUID was never read is not remembered: if it leaves the list,
-  its ``uuid=""`` series goes too.
+  its ``uuid=""`` series goes too. A remembered GPU read under a new index (renumbered) takes the
+  XIDs counted for it along: one series per GPU and XID, under the index it has now.
 * ``NOT_SUPPORTED`` means that one metric is absent for that GPU, and ``FUNCTION_NOT_FOUND`` (the
   driver predates the call) that it is absent on this node; the clock-event reasons then come
   from the older name of the same call. Any other NVML error drops that metric and is reported as
@@ -395,6 +396,8 @@ class GpuCollector:
                 self._missing.discard(uuid)
                 log.info("gpu %d (%s) is enumerated again (it was gpu %d before it went)",
                          i, uuid, self._known[uuid])
+            if self._known.get(uuid, i) != i:
+                self._move_xids(uuid, i)
             self._known[uuid] = i
         unseen = [(uuid, i) for uuid, i in sorted(self._known.items(), key=lambda item: (item[1], item[0]))
                   if uuid not in seen]
@@ -541,6 +544,17 @@ class GpuCollector:
                 self._xid_no_uuid.add((index, key[2]))
             self._xids[key] += 1
             self._xid_last[key] = self.wall_clock()
+
+    def _move_xids(self, uuid: str, index: int) -> None:
+        """The XIDs counted for GPU ``uuid`` under another index, moved to ``index``, the one NVML
+        gives it now (renumbered after a GPU before it left the list). Keyed by (index, uuid,
+        xid), they stayed under the old index and a new XID of the GPU started a second series:
+        SyncwatchGpuXidCritical fired twice for one GPU, and a dashboard summing by node and
+        ``gpu`` added them to the GPU now at the old index."""
+        for key in [k for k in self._xids if k[1] == uuid and k[0] != index]:
+            new = (index, uuid, key[2])
+            self._xids[new] += self._xids.pop(key)
+            self._xid_last[new] = max(self._xid_last.pop(key), self._xid_last.get(new, 0.0))
 
     def _label_xids(self) -> None:
         """Move the XIDs counted under uuid "" (the GPU registered, its UUID not read: it timed
