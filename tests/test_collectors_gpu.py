@@ -645,8 +645,9 @@ ABSENT_IDS = ["driver_not_loaded", "library_not_found", "gpu_not_found"]
 @pytest.mark.parametrize("code", ABSENT, ids=ABSENT_IDS)
 def test_driver_gone_after_gpus_were_read_reads_them_down(caplog, code):
     """The driver unloads under a node whose GPUs the daemon has read (a reset that does not come
-    back; or its library removed): nvmlDeviceGetCount fails, NVML is initialized again, and init
-    answers DRIVER_NOT_LOADED (LIBRARY_NOT_FOUND). That counted as "NVML absent", as on a node
+    back): nvmlDeviceGetCount fails, NVML is initialized again, and init answers
+    DRIVER_NOT_LOADED (LIBRARY_NOT_FOUND cannot follow a read with pynvml, which loads the library
+    once and never unloads it: handled the same, defensively). That counted as "NVML absent", as on a node
     without GPUs: NoData, every GPU series gone, the remembered ones too, success 1 and not a word,
     and SyncwatchGpuLost never fired while every job on the node was dead. GPU_NOT_FOUND ("No
     GPUs were found": pynvml's nvmlInit passes no flag allowing that, so NVML fails init once the
@@ -710,6 +711,46 @@ def test_driver_gone_after_gpus_were_read_reads_them_down(caplog, code):
     assert v("syncwatch_gpu_xid_errors_total", labels(3, xid="79")) == 1
     assert "NVML answers again" in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_nvml_flapping_after_gpus_were_read_warns_once(caplog):
+    """The driver comes and goes (a node whose driver keeps failing): nvmlInit succeeds, the
+    count fails, NVML is closed, and the next nvmlInit answers DRIVER_NOT_LOADED. The warning
+    re-armed on the init's success: every flap (each retry, ~10 s apart at first) logged "NVML
+    answers again" and the warning anew, while no GPU was read in between. It re-arms once a count
+    succeeds: one warning through the flapping, one info line when the GPUs are read again."""
+    clock = Clock()
+    fake = FakeNvml(healthy_node(2))
+    collector = GpuCollector(nvml=fake, clock=clock, backoff=(10, 40))
+    cycle(collector)
+    count, flapping = fake.nvmlDeviceGetCount, [True]
+
+    def flaky_count():
+        if flapping[0]:
+            raise N.NVMLError(N.NVML_ERROR_UNKNOWN)
+        return count()
+    fake.nvmlDeviceGetCount = flaky_count
+    with pytest.raises(RuntimeError, match="nvmlDeviceGetCount"):
+        collector.update([])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="syncwatch.collectors"):
+        for _ in range(3):
+            clock.t += 60
+            fake.init_error = N.NVML_ERROR_DRIVER_NOT_LOADED
+            reg = cycle(collector)[0]
+            assert reg.get_sample_value("syncwatch_gpu_up", labels(1)) == 0
+            clock.t += 60
+            fake.init_error = None  # init succeeds, the count fails
+            with pytest.raises(RuntimeError, match="nvmlDeviceGetCount"):
+                collector.update([])
+    assert [r.levelno for r in caplog.records] == [logging.WARNING], caplog.text
+    caplog.clear()
+    flapping[0] = False
+    clock.t += 60
+    with caplog.at_level(logging.INFO, logger="syncwatch.collectors"):
+        for _ in range(2):
+            assert cycle(collector)[0].get_sample_value("syncwatch_gpu_up", labels(1)) == 1
+    assert [r.getMessage()[:19] for r in caplog.records] == ["NVML answers again:"], caplog.text
 
 
 def test_driver_back_without_a_gpu_that_fell_off_the_bus():

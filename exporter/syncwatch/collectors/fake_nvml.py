@@ -11,8 +11,12 @@ classes are pynvml's, looked up on the real module; a function the fake does not
 It lives in the package rather than under tests/ so the simulator can feed it (``FakeGpu`` fields
 are plain attributes a simulation may change between cycles, e.g. temperature and throttle reasons
 for a thermal-drift scenario). ``fall_off_bus`` loses a GPU the way NVML does: its calls answer
-GPU_IS_LOST, and the next initialization after a shutdown or driver reload lists it no more (the
-count one lower, the GPUs after it renumbered); ``enumerate_at_next_init`` lists it again.
+GPU_IS_LOST, and once the driver is reloaded NVML lists it no more (the count one lower, the GPUs
+after it renumbered); ``enumerate_at_next_init`` lists it again. With the real library a plain
+``nvmlShutdown`` and ``nvmlInit``, the driver loaded, still lists a lost GPU, as lost: it leaves
+the list with the driver reload. The fake does not tell the two apart: it enumerates anew at the
+first ``nvmlInit`` after ``initialized`` fell to 0, and tests stand for the reload by setting
+``initialized = 0``.
 """
 
 from __future__ import annotations
@@ -84,10 +88,11 @@ class FakeNvml:
 
     def fall_off_bus(self, index: int) -> FakeGpu:
         """GPU ``index`` falls off the bus, as NVML sees it: from now on every call on it answers
-        GPU_IS_LOST while it keeps its index and nvmlDeviceGetCount counts it, and once NVML is
-        initialized again after a shutdown or a driver reload (``initialized`` back to 0) it is no
-        longer enumerated: nvmlDeviceGetCount one lower, the GPUs after it one index down.
-        Returns the GPU (``enumerate_at_next_init`` brings it back)."""
+        GPU_IS_LOST while it keeps its index and nvmlDeviceGetCount counts it, and once the driver
+        is reloaded it is no longer enumerated: nvmlDeviceGetCount one lower, the GPUs after it one
+        index down. (Real NVML initialized again without a reload still lists it, as lost; the
+        fake enumerates anew at the first nvmlInit after ``initialized`` fell to 0, which tests
+        set to stand for the reload.) Returns the GPU (``enumerate_at_next_init`` brings it back)."""
         gpu = self.gpus[index]
         gpu.error = pynvml.NVML_ERROR_GPU_IS_LOST
         pending = self.gpus if self._next_gpus is None else self._next_gpus
@@ -95,8 +100,9 @@ class FakeNvml:
         return gpu
 
     def enumerate_at_next_init(self, gpus: list[FakeGpu]) -> None:
-        """The GPUs, in index order, that NVML enumerates once initialized again after a shutdown
-        or a driver reload (a GPU back on the bus after a reset or reseat, in whatever place)."""
+        """The GPUs, in index order, that NVML enumerates once initialized again after a driver
+        reload (a GPU back on the bus after a reset or reseat, in whatever place): in the fake, at
+        the first nvmlInit after ``initialized`` fell to 0."""
         self._next_gpus = list(gpus)
 
     def _enumerate(self, gpus: list[FakeGpu]) -> None:

@@ -15,9 +15,11 @@ Failure semantics:
   most likely fine, only unwatched). Either way initialization is retried with exponential
   backoff (10 s doubling to 5 min).
 * NVML absent, or finding no GPU, once the daemon has read GPUs (NVML initialized again after a
-  failure, e.g. of ``nvmlDeviceGetCount`` in a driver reset, and the driver stays unloaded or its
-  library went, or the node's only GPUs left the bus): no node without GPUs but a failure of all
-  of them. Every GPU it remembers (below) reports
+  failure, e.g. of ``nvmlDeviceGetCount`` in a driver reset, and the driver stays unloaded, or the
+  node's only GPUs left the bus): no node without GPUs but a failure of all of them.
+  ``LIBRARY_NOT_FOUND`` cannot follow a read with pynvml, which loads the library once per
+  process and never unloads it (``nvmlShutdown`` leaves it loaded); it is handled the same way,
+  defensively (another NVML module, e.g. a fake). Every GPU it remembers (below) reports
   ``syncwatch_gpu_up{gpu=<its last index>, uuid} 0`` and none of its values (its XIDs counted
   before stay), with one warning (not one per retry), through the init retries and their backoff;
   once NVML initializes again the GPUs it lists read up under their indices (an info line says
@@ -148,7 +150,8 @@ class GpuCollector:
         # Bounded by the GPUs the node ever had.
         self._known: dict[str, int] = {}
         self._missing: set[str] = set()  # known UUIDs no index answers with, warned about once
-        # NVML absent (driver unloaded, library gone) after GPUs were read: warned about once
+        # NVML absent or finding no GPU after GPUs were read: warned about once, re-armed by the
+        # first count that succeeds after it
         self._gone_warned = False
         self._xid_unwatched: set[int] = set()  # down GPUs left out of the event set, until they answer
         self._throttle_reasons_call = False  # the driver predates nvmlDeviceGetCurrentClocksEventReasons
@@ -203,10 +206,6 @@ class GpuCollector:
         self._ready = True
         self._backoff = self._backoff_min
         self._init_failure = None
-        if self._gone_warned:
-            self._gone_warned = False
-            log.info("NVML answers again: the GPUs it lists read up (those it no longer lists "
-                     "read syncwatch_gpu_up 0)")
         self._events = None  # made by the first cycle, once it has the count
 
     def _register_xids(self, events, indices) -> None:
@@ -259,6 +258,12 @@ class GpuCollector:
         except nv.NVMLError as e:
             self.close()  # re-initialize next cycle
             raise RuntimeError(f"nvmlDeviceGetCount failed: {e}") from None
+        if self._gone_warned:
+            # re-armed by a count, not by the init: NVML flapping (init succeeds, the count fails,
+            # the next init answers DRIVER_NOT_LOADED) logged this and the warning every retry
+            self._gone_warned = False
+            log.info("NVML answers again: the GPUs it lists read up (those it no longer lists "
+                     "read syncwatch_gpu_up 0)")
 
         gu = ["gpu", "uuid"]
         up = _up_family()
@@ -340,24 +345,26 @@ class GpuCollector:
         return [xids, xid_last]
 
     def _nvml_gone(self, why: NoData) -> list:
-        """NVML absent (``DRIVER_NOT_LOADED``, ``LIBRARY_NOT_FOUND``) or finding no GPU
+        """NVML absent (``DRIVER_NOT_LOADED``; ``LIBRARY_NOT_FOUND``, which pynvml cannot answer
+        once it has loaded the library, handled the same, defensively) or finding no GPU
         (``GPU_NOT_FOUND``) on a node whose GPUs this daemon has read: the driver unloaded (a
-        reset it did not come back from) or its library went, or every GPU left the bus (a
-        single-GPU node whose GPU fell off). That is no node without GPUs but a failure of all of
+        reset it did not come back from), or every GPU left the bus (a single-GPU node whose GPU
+        fell off). That is no node without GPUs but a failure of all of
         them: it read as NoData (GPU_NOT_FOUND: an init error, the last snapshot served 15 s,
         then every GPU series withdrawn), the remembered ones too, and SyncwatchGpuLost never
         fired while every job on the node was dead. Each GPU seen since the daemon started reads
         ``syncwatch_gpu_up{gpu=<its last index>, uuid} 0`` and none of its values (its XIDs
-        counted before stay), with one warning, until NVML initializes again (retried with the
-        backoff). Not a collector error, as for a GPU lost: a hardware state, said by gpu_up."""
+        counted before stay), with one warning (re-armed once a count succeeds: not by an init
+        whose count then fails), until NVML initializes again (retried with the backoff). Not a
+        collector error, as for a GPU lost: a hardware state, said by gpu_up."""
         up = _up_family()
         known = sorted(self._known.items(), key=lambda item: (item[1], item[0]))
         for uuid, i in known:
             up.add_metric([str(i), uuid], 0)
         if not self._gone_warned:
             self._gone_warned = True
-            log.warning("%s on a node whose GPUs this daemon has read: the driver unloaded (or its "
-                        "library went), or every GPU left the bus; none of its GPUs works; gpu %s "
+            log.warning("%s on a node whose GPUs this daemon has read: the driver unloaded, or "
+                        "every GPU left the bus; none of its GPUs works; gpu %s "
                         "read syncwatch_gpu_up 0 "
                         "under their last index until NVML answers again (init retried with "
                         "backoff, at most %gs apart)", why,
