@@ -263,3 +263,22 @@ def test_against_real_prometheus():
         assert client.api("status/config")["yaml"].count("scrape_interval: 2s") == 1
     with pytest.raises(StackError, match="Prometheus unreachable"):
         prom.value("up")
+
+
+@pytest.mark.parametrize("body", [
+    {"status": "success"},                                                   # no data
+    {"status": "success", "data": {}},                                       # no resultType
+    {"status": "success", "data": {"resultType": "vector"}},                 # no result
+    {"status": "success", "data": {"resultType": "vector", "result": [{"metric": {}, "value": [1, "x"]}]}},
+    {"status": "success", "data": {"resultType": "vector", "result": [{"value": [1, "1"]}]}},
+    {"status": "success", "data": {"resultType": "vector", "result": [{"metric": {}, "value": 3}]}},
+])
+def test_a_success_answer_without_prometheus_data_is_one_clear_line(canned, body, monkeypatch, capsys):
+    """A server answering "success" without a Prometheus result (another JSON API, a broken proxy)
+    ended the analysis commands in a traceback (TypeError, KeyError, ValueError)."""
+    srv, client = canned
+    srv.answer = _json(200, body)
+    code, out, err = run_cli(monkeypatch, capsys, ["diagnose", "--prometheus", client.url, "--job", "j"])
+    assert code == 2 and not out and len(err.splitlines()) == 1, err
+    assert err.startswith(f"syncwatch diagnose: error: {client.url} did not answer /api/v1/query with a "
+                          "Prometheus result (is it Prometheus?)"), err

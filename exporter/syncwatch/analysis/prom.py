@@ -8,6 +8,7 @@ the same way; a timeout and an HTTP 401/403 also say which flag to change. The a
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from .. import promapi
@@ -58,16 +59,18 @@ class Prometheus:
     def query(self, expr: str, time: float) -> Series:
         """Instant query: {labels: [(t, v)]} (one point per series)."""
         data = self._data("query", query=expr, time=f"{time:.3f}")
-        if data["resultType"] != "vector":
-            raise AnalysisError(f"expected a vector from {expr!r}, got {data['resultType']}")
-        return {_key(r["metric"]): [(float(r["value"][0]), _num(r["value"][1]))] for r in data["result"]}
+        with self._reading("query"):
+            if data["resultType"] != "vector":
+                raise AnalysisError(f"expected a vector from {expr!r}, got {data['resultType']}")
+            return {_key(r["metric"]): [(float(r["value"][0]), _num(r["value"][1]))] for r in data["result"]}
 
     def samples(self, expr: str, time: float) -> Series:
         """The raw samples a range-vector selector (``metric{...}[10m]``) holds at ``time``."""
         data = self._data("query", query=expr, time=f"{time:.3f}")
-        if data["resultType"] != "matrix":
-            raise AnalysisError(f"expected a matrix from {expr!r}, got {data['resultType']}")
-        return {_key(r["metric"]): [(float(t), _num(v)) for t, v in r["values"]] for r in data["result"]}
+        with self._reading("query"):
+            if data["resultType"] != "matrix":
+                raise AnalysisError(f"expected a matrix from {expr!r}, got {data['resultType']}")
+            return {_key(r["metric"]): [(float(t), _num(v)) for t, v in r["values"]] for r in data["result"]}
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> Series:
         """Range query at ``start``, ``start + step``, ... (times and step in whole milliseconds).
@@ -81,7 +84,19 @@ class Prometheus:
         """
         data = self._data("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}",
                           step=f"{max(1, round(step * 1000))}ms", nocache="1")
-        return {_key(r["metric"]): [(float(t), _num(v)) for t, v in r["values"]] for r in data["result"]}
+        with self._reading("query_range"):
+            return {_key(r["metric"]): [(float(t), _num(v)) for t, v in r["values"]] for r in data["result"]}
+
+    @contextlib.contextmanager
+    def _reading(self, path: str):
+        """Reading an answer's ``data``: one that is not a Prometheus result (a server answering
+        "success" without ``data``, ``resultType`` or ``result``, or with values that are not
+        numbers) is one clear line, not a TypeError, KeyError or ValueError traceback."""
+        try:
+            yield
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise AnalysisError(f"{self.url} did not answer /api/v1/{path} with a Prometheus result "
+                                f"(is it Prometheus?): {type(e).__name__}: {e}") from None
 
     def scalar(self, expr: str, time: float, default: float | None = None) -> float | None:
         """The value of a one-series instant query (or ``default`` when it returns nothing)."""
