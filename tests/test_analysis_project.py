@@ -141,6 +141,25 @@ def test_cli_offline(tmp_path, monkeypatch, capsys):
     assert code == 2 and "at least 2 nodes" in err
 
 
+def test_a_zero_median_collective_with_some_slow_steps_projects(tmp_path, monkeypatch, capsys):
+    """A recorded run whose collective (the smallest wait) is 0 in most steps and not in a few
+    divided by the zero baseline: project and report ended in a ZeroDivisionError traceback.
+    A zero baseline holds no episodes, as from Prometheus (``_window_episodes``)."""
+    steps = [{"t": 1.7e9 + i, "step": i + 1, "attempt": 0, "seconds": 1.0,
+              "waits": [0.2 if i % 5 == 0 else 0.0] * 4, "checkpoint": 0.0} for i in range(100)]
+    path = tmp_path / "run.json"
+    recording.save({"format": recording.FORMAT, "job": "j", "samples_per_step": 4,
+                    "rank_node": ["a", "a", "b", "b"], "steps": steps, "restarts": []}, path)
+    assert project._episodes([0.0, 0.0, 0.0, 0.2]) == (0.0, 0.0, 1.0)
+    code, out, err = run_cli(monkeypatch, capsys, ["project", "--input", str(path), "--json"])
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["measured"]["collective"] == 0.0 and res["measured"]["congestion_probability"] == 0.0
+    code, out, err = run_cli(monkeypatch, capsys, ["report", "--input", str(path), "--output",
+                                                   str(tmp_path / "r.html"), "--json"])
+    assert code == 0 and json.loads(out)["projection"], err
+
+
 @pytest.mark.parametrize(("env", "raw", "flag", "choices"), [
     ("SYNCWATCH_SCALING", "Strong", "--scaling", "'weak', 'strong'"),
     ("SYNCWATCH_ALGORITHM", "trees", "--algorithm", "'ring', 'tree', 'none'")])

@@ -114,8 +114,13 @@ def measure_run(run: dict, steps: list[dict]) -> Measurement:
 
 
 def _episodes(collectives: list[float]) -> tuple[float, float, float]:
-    """(baseline, episode probability, mean inflation in episodes) of per-step collective times."""
+    """(baseline, episode probability, mean inflation in episodes) of per-step collective times.
+
+    A zero baseline (no collective in most steps) holds no episodes, as from Prometheus
+    (``_window_episodes``): an inflation over nothing is no factor."""
     base = statistics.median(collectives)
+    if base <= 0:
+        return 0.0, 0.0, 1.0
     high = [x for x in collectives if x > EPISODE * base]
     q = len(high) / len(collectives)
     f = (sum(high) / len(high) / base) if high else 1.0
