@@ -351,3 +351,19 @@ def test_a_job_failing_faster_than_it_recovers_cannot_finish(monkeypatch, capsys
     # slow but finishing: figures as before
     est = run_json(monkeypatch, capsys, [*argv, "--mtbf-hours", "0.2"])["estimate"]
     assert est["finishes"] is True and est["predicted_seconds"] == pytest.approx(3.12 * est["solve_seconds"], rel=0.01)
+
+
+def test_a_job_without_data_parallelism_needs_no_gradient_size(monkeypatch, capsys):
+    """One GPU (or TP x PP filling the GPUs: one replica) all-reduces no gradient, and validate()
+    asks for no gradient size there, but the sync-wall sweep's larger node counts did: the whole
+    estimate was refused with "give --grad-bytes ... or --params". It is now made, and the sync
+    wall says what it needs."""
+    for layout in (["--nodes", "1", "--gpus-per-node", "1"],
+                   ["--nodes", "2", "--gpus-per-node", "4", "--tp", "4", "--pp", "2"]):
+        argv = ["jct", *layout, "--sustained-tflops", "100", "--flops", "1e18", "--steps", "10"]
+        code, out, err = run_cli(monkeypatch, capsys, argv)
+        assert code == 0, err
+        assert ("  sync wall               not computed: more nodes all-reduce the gradient; give "
+                "--grad-bytes or --params\n") in out
+        est = run_json(monkeypatch, capsys, argv)["estimate"]
+        assert est["sync_wall"] == {} and est["finishes"] and est["predicted_seconds"] > 0

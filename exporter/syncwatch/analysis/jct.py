@@ -311,7 +311,9 @@ def estimate(spec: JobSpec, *, with_sync_wall: bool = True) -> Estimate:
         predicted_seconds=predicted, finishes=finishes, efficiency=eff,
         reading=reading(eff) if finishes else "the job cannot finish (failures outpace recovery)",
         largest_loss=largest)
-    if with_sync_wall:
+    # without a gradient size (allowed where the job has one replica: no all-reduce) the sweep's
+    # larger node counts cannot be estimated: no sync wall ({}), and the summary says what it needs
+    if with_sync_wall and (spec.grad_bytes is not None or spec.params is not None):
         est.sync_wall = sync_wall(spec)
     return est
 
@@ -520,7 +522,10 @@ def summary(spec: JobSpec, e: Estimate) -> str:
     else:
         lines.append("  failures                none modelled (give --mtbf-hours)")
     w = e.sync_wall
-    if w:
+    if not w:
+        lines.append("  sync wall               not computed: more nodes all-reduce the gradient; give "
+                     "--grad-bytes or --params")
+    else:
         if not w["finishes"]:
             lines.append(f"  sync wall               none: the job cannot be expected to finish at any node count "
                          f"up to {w['curve'][-1]['nodes']:,}")
