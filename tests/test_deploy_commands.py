@@ -86,3 +86,32 @@ def test_the_daemons_window_and_the_analysis_window_have_twins_of_their_own(monk
     assert build_parser().parse_args(["daemon"]).window == 300
     for command in ("diagnose", "project", "report"):
         assert build_parser().parse_args([command]).window == 60.0
+
+
+def test_a_sysfs_path_with_nothing_mounted_is_told_at_start(tmp_path, caplog):
+    """Compose and the DaemonSet pass ``--path.sysfs=/host/sys``. Where the host's /sys is not
+    mounted there (a ``docker run`` without ``-v /sys:/host/sys:ro``, a patched manifest), the net
+    and InfiniBand collectors took the missing tree for a node without such hardware: no series,
+    ``syncwatch_collector_success`` 1, a debug line only, nothing for anyone to notice."""
+    import logging
+
+    from syncwatch import collectors
+
+    argv = next(a for where, a in COMMANDS if where == "kubernetes daemonset")
+    assert "--path.sysfs=/host/sys" in argv
+    missing = str(tmp_path / "host" / "sys")
+    args = build_parser().parse_args([a for a in argv if not a.startswith("--path.sysfs")]
+                                     + [f"--path.sysfs={missing}", "--no-collector.gpu"])
+    with caplog.at_level(logging.WARNING, logger="syncwatch.collectors"):
+        collectors.runner_from_args(args)
+    assert any(missing in r.getMessage() and "mount" in r.getMessage() for r in caplog.records), \
+        caplog.text
+    caplog.clear()
+    (tmp_path / "sys" / "class" / "net").mkdir(parents=True)
+    args.path_sysfs = str(tmp_path / "sys")
+    with caplog.at_level(logging.WARNING, logger="syncwatch.collectors"):
+        collectors.runner_from_args(args)
+    assert not caplog.records, caplog.text
+    # only the collectors that read sysfs care
+    args.path_sysfs, args.collector_net, args.collector_infiniband = missing, False, False
+    assert collectors.runner_from_args(args) is None and not caplog.records

@@ -7,6 +7,8 @@ the ``CollectorRunner`` the daemon takes as an extra collector. See docs/collect
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import re
 
 from . import gpu, infiniband, net  # noqa: F401 - importing registers the collectors
@@ -62,12 +64,26 @@ def enabled_names(args: argparse.Namespace) -> list[str]:
     return [name for name in COLLECTORS if getattr(args, _dest(name))]
 
 
+SYSFS_COLLECTORS = ("net", "infiniband")  # read under --path.sysfs
+
+
 def runner_from_args(args: argparse.Namespace) -> CollectorRunner | None:
-    """The runner for the enabled collectors, or None when all are off."""
+    """The runner for the enabled collectors, or None when all are off.
+
+    A ``--path.sysfs`` without ``class/`` under it is told once here: the collectors take a
+    missing tree for hardware the node lacks (``NoData``: no series, success 1), so where the
+    host's /sys is not mounted at the path given (``/host/sys`` in compose and Kubernetes) they
+    would report nothing and nobody would learn why."""
     options = CollectorOptions(sysfs=args.path_sysfs, procfs=args.path_procfs,
                                net_exclude=args.net_exclude, net_virtual=args.net_virtual)
     names = enabled_names(args)
     if not names:
         return None
+    readers = [n for n in names if n in SYSFS_COLLECTORS]
+    if readers and not os.path.isdir(os.path.join(options.sysfs, "class")):
+        logging.getLogger("syncwatch.collectors").warning(
+            "--path.sysfs %s has no class/ directory: the %s collector(s) will report nothing; "
+            "mount the host's /sys there (read-only) or point --path.sysfs at it",
+            options.sysfs, " and ".join(readers))
     return CollectorRunner({n: COLLECTORS[n].factory(options) for n in names},
                            interval=args.collector_interval, timeout=args.collector_timeout)
