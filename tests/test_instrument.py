@@ -1764,6 +1764,42 @@ def test_syncwatch_run_passes_skew_seconds_of_inf_to_the_command(option, env):
     assert out.returncode == 0 and out.stdout == "inf\n", out.stderr
 
 
+def _run_env(*args, **env):
+    """The ``SYNCWATCH_*`` variables and ``PYTHONPATH`` the command of ``syncwatch-run args``
+    sees, and the run's result."""
+    out = subprocess.run([sys.executable, "-m", "syncwatch.instrument.run", *args, "--",
+                          sys.executable, "-c", "import json, os; print(json.dumps(dict("
+                          "(k, v) for k, v in os.environ.items() if k.startswith('SYNCWATCH_')"
+                          " or k == 'PYTHONPATH')))"],
+                         env=subprocess_env(**env), capture_output=True, text=True, timeout=60)
+    return (json.loads(out.stdout) if out.returncode == 0 else None), out
+
+
+def test_syncwatch_run_socket_flag_wins_over_an_inherited_udp_variable():
+    """``--socket`` given while ``SYNCWATCH_UDP`` is set (a cluster-wide default): the ranks,
+    which take UDP first, sent there and the flag was ignored without a word. A flag wins over
+    its variables, as every other flag does."""
+    env, out = _run_env("--socket", "/tmp/mine.sock", SYNCWATCH_UDP="10.0.0.5:9478")
+    assert env is not None, out.stderr
+    assert env["SYNCWATCH_SOCKET"] == "/tmp/mine.sock" and "SYNCWATCH_UDP" not in env
+    # and it is checked as the socket the ranks will use
+    _, out = _run_env("--socket", "/" + "s" * 107, SYNCWATCH_UDP="10.0.0.5:9478")
+    assert out.returncode == 2 and out.stderr.startswith("syncwatch-run: --socket: socket path")
+    # --udp over SYNCWATCH_SOCKET: UDP, as before
+    env, out = _run_env("--udp", "10.0.0.5:9478", SYNCWATCH_SOCKET="/tmp/theirs.sock")
+    assert env is not None and env["SYNCWATCH_UDP"] == "10.0.0.5:9478", out.stderr
+
+
+def test_syncwatch_run_refuses_both_socket_and_udp():
+    """``--socket`` and ``--udp`` together: the ranks sent over UDP, the socket ignored without a
+    word. Refused in one line (after argparse's usage), the command never run."""
+    env, out = _run_env("--socket", "/tmp/mine.sock", "--udp", "10.0.0.5:9478")
+    assert env is None and out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines()[-1] == ("syncwatch-run: error: argument --udp: not allowed "
+                                           "with argument --socket")
+    assert "Traceback" not in out.stderr
+
+
 def test_syncwatch_run_from_another_environment_shadows_none_of_the_programs_modules(
         tmp_path, monkeypatch):
     """syncwatch-run installed in its own environment (pipx, a tools venv) runs a program whose

@@ -37,10 +37,21 @@ _ENV = {"socket": "SYNCWATCH_SOCKET", "udp": "SYNCWATCH_UDP", "job": "SYNCWATCH_
         "heartbeat": "SYNCWATCH_HEARTBEAT"}
 
 
+class _Transport(argparse.Action):
+    """``--socket`` or ``--udp``, noting which was given: it wins over both variables."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.transport = self.dest
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flag(parser, "--socket", default=None,
-             help=f"daemon's Unix datagram ingest socket (default {DEFAULT_SOCKET})")
-    add_flag(parser, "--udp", default=None, help="send to the daemon over UDP HOST:PORT instead")
+    transport = parser.add_mutually_exclusive_group()
+    add_flag(transport, "--socket", default=None, action=_Transport,
+             help=f"daemon's Unix datagram ingest socket (default {DEFAULT_SOCKET}; "
+                  f"--socket wins over SYNCWATCH_UDP)")
+    add_flag(transport, "--udp", default=None, action=_Transport,
+             help="send to the daemon over UDP HOST:PORT instead")
     add_flag(parser, "--job", default=None, help="train_job label (default: launcher's job id)")
     add_flag(parser, "--skew-every", type=int, default=None,
              help=f"exact skew exchange every K steps (0 = off; default {DEFAULT_EXCHANGE_EVERY})")
@@ -53,12 +64,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the training command, e.g. torchrun --nproc-per-node 4 train.py")
 
 
+def _udp(args) -> str | None:
+    """The UDP address the ranks will send to: none where ``--socket`` was given (the ranks take
+    ``SYNCWATCH_UDP`` first, and an inherited one silently won over the flag)."""
+    return None if getattr(args, "transport", None) == "socket" else args.udp
+
+
 def child_env(args, environ=None) -> dict[str, str]:
     env = dict(os.environ if environ is None else environ)
     for attr, var in _ENV.items():
-        value = getattr(args, attr)
+        value = _udp(args) if attr == "udp" else getattr(args, attr)
         if value is not None:
             env[var] = str(value)
+    if _udp(args) is None:
+        env.pop("SYNCWATCH_UDP", None)
     parts = [SITE_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
     env["SYNCWATCH_PACKAGE_ROOT"] = PACKAGE_ROOT
@@ -70,12 +89,12 @@ def _bad_option(args) -> str | None:
     otherwise print a traceback and train unmonitored (a bad ``--udp``), drop every record (a
     ``--socket`` path too long for a Unix socket), or quietly run without heartbeats or the
     exchange (a heartbeat of 0, a negative K)."""
-    if args.socket and not args.udp:  # the ranks send over UDP where it is set
+    if args.socket and not _udp(args):  # the ranks send over UDP where it is set
         try:
             check_unix_path(args.socket)
         except ValueError as e:
             return f"--socket: {e}"
-    if args.udp is not None:
+    if _udp(args) is not None:
         try:
             parse_udp(args.udp)
         except ValueError as e:
