@@ -1800,6 +1800,23 @@ def test_syncwatch_run_refuses_both_socket_and_udp():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("user, child", [
+    (":/mine", ["", "/mine"]), ("/mine:", ["/mine", ""]), ("/a::/b", ["/a", "", "/b"]),
+    ("", []), ("/mine", ["/mine"])])
+def test_syncwatch_run_keeps_the_empty_entries_of_the_users_pythonpath(user, child):
+    """An empty entry of ``PYTHONPATH`` is the current directory (``PYTHONPATH=$PYTHONPATH:/x``
+    with none set before gives ``:/x``); ``syncwatch-run`` dropped it, and a script run from
+    the repository root (``python scripts/train.py``) could no longer import the repository's
+    packages. The user's entries are kept as they are, behind the ``sitecustomize``'s."""
+    parser = __import__("argparse").ArgumentParser()
+    run_mod.add_arguments(parser)
+    env = run_mod.child_env(parser.parse_args(["python"]), {"PYTHONPATH": user})
+    assert env["PYTHONPATH"].split(os.pathsep) == [run_mod.SITE_DIR, *child]
+    # run under syncwatch-run again: its directory once
+    again = run_mod.child_env(parser.parse_args(["python"]), env)
+    assert again["PYTHONPATH"] == env["PYTHONPATH"]
+
+
 def test_syncwatch_run_from_another_environment_shadows_none_of_the_programs_modules(
         tmp_path, monkeypatch):
     """syncwatch-run installed in its own environment (pipx, a tools venv) runs a program whose

@@ -78,8 +78,11 @@ def child_env(args, environ=None) -> dict[str, str]:
             env[var] = str(value)
     if _udp(args) is None:
         env.pop("SYNCWATCH_UDP", None)
-    parts = [SITE_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    # the user's entries as they are: an empty one is the current directory (``:/x``, from
+    # ``PYTHONPATH=$PYTHONPATH:/x``); only an empty PYTHONPATH has none
+    user = env.get("PYTHONPATH") or ""
+    mine = [p for p in user.split(os.pathsep) if p != SITE_DIR] if user else []
+    env["PYTHONPATH"] = os.pathsep.join([SITE_DIR, *mine])
     env["SYNCWATCH_PACKAGE_ROOT"] = PACKAGE_ROOT
     return env
 
