@@ -1800,6 +1800,18 @@ def test_syncwatch_run_refuses_both_socket_and_udp():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("var", ["SYNCWATCH_UDP", "SYNCWATCH_HEARTBEAT", "SYNCWATCH_SKEW_EVERY",
+                                 "SYNCWATCH_SKEW_SECONDS", "SYNCWATCH_SOCKET", "SYNCWATCH_JOB"])
+def test_syncwatch_run_takes_an_empty_variable_as_unset(var):
+    """An empty ``SYNCWATCH_*`` variable (``export SYNCWATCH_UDP=``, a manifest's ``value: ""``)
+    is unset to the ranks, which take the default; ``syncwatch-run`` refused it (``--udp: UDP
+    address must look like ..., got ''``, ``SYNCWATCH_HEARTBEAT='': could not convert``), exit
+    2, and the command never ran."""
+    env, out = _run_env(**{var: ""})
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert env.get(var, "") == ""
+
+
 @pytest.mark.parametrize("user, child", [
     (":/mine", ["", "/mine"]), ("/mine:", ["/mine", ""]), ("/a::/b", ["/a", "", "/b"]),
     ("", []), ("/mine", ["/mine"])])

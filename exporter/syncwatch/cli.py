@@ -64,11 +64,13 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kw) -> 
 
     The help text names the twin and the default (where there is one), so ``--help`` documents
     both. A twin that does not convert is reported by ``Parser`` once the flag's command runs.
+    ``empty_unset``: an empty twin counts as unset (``syncwatch-run``'s, as the ranks read them).
     """
     env = kw.pop("env", None) or env_name(flag)
+    empty_unset = kw.pop("empty_unset", False)
     action = kw.get("action")
     boolean = action in ("store_true", argparse.BooleanOptionalAction)
-    if env in os.environ:
+    if env in os.environ and not (empty_unset and os.environ[env] == ""):
         raw = os.environ[env]
         if boolean:
             low = raw.strip().lower()

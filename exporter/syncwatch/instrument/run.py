@@ -22,7 +22,7 @@ import math
 import os
 import sys
 
-from ..cli import Parser, add_flag, plain
+from ..cli import Parser, add_flag as _add_flag, plain
 from ..sender import DEFAULT_SOCKET, check_unix_path, parse_udp
 from ..skew import EXCHANGE_SECONDS
 from . import DEFAULT_EXCHANGE_EVERY, DEFAULT_HEARTBEAT_SECONDS
@@ -35,6 +35,12 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 _ENV = {"socket": "SYNCWATCH_SOCKET", "udp": "SYNCWATCH_UDP", "job": "SYNCWATCH_JOB",
         "skew_every": "SYNCWATCH_SKEW_EVERY", "skew_seconds": "SYNCWATCH_SKEW_SECONDS",
         "heartbeat": "SYNCWATCH_HEARTBEAT"}
+
+
+def add_flag(parser, flag: str, **kw) -> argparse.Action:
+    """``cli.add_flag``, where an empty twin is unset, as the ranks read it (``export
+    SYNCWATCH_UDP=``: refused here, the default there)."""
+    return _add_flag(parser, flag, empty_unset=True, **kw)
 
 
 class _Transport(argparse.Action):
