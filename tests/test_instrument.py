@@ -1732,6 +1732,19 @@ def test_syncwatch_run_environment_and_errors(tmp_path):
     assert out.stdout.strip() == "True", out.stderr
 
 
+def test_syncwatch_run_says_126_for_a_command_it_cannot_execute(tmp_path):
+    """A command that is there but cannot be run (no execute bit, a directory) exits 126, as
+    the shell and ``env`` say it; 127 stays for one not found. Both were 127."""
+    script = tmp_path / "train.py"
+    script.write_text("print('trained')\n")
+    for command, code in ((script, 126), (tmp_path, 126), (tmp_path / "absent.py", 127)):
+        out = subprocess.run([sys.executable, "-m", "syncwatch.instrument.run", str(command)],
+                             env=subprocess_env(), capture_output=True, text=True, timeout=60)
+        assert out.returncode == code, (command, out.stderr)
+        assert out.stderr.startswith(f"syncwatch-run: cannot run '{command}': ")
+        assert len(out.stderr.splitlines()) == 1
+
+
 @pytest.mark.parametrize("option, says", [
     (["--udp", "bogus"], "--udp: UDP address must look like 127.0.0.1:9478, got 'bogus'"),
     (["--socket", "/" + "s" * 107], f"--socket: socket path /{'s' * 107} is 108 bytes; a Unix "

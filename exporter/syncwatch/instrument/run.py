@@ -6,7 +6,8 @@ Instruments the DDP and FSDP (``FullyShardedDataParallel``, ``fully_shard``) mod
 builds: steps, phases, samples, sync waits, collectives, heartbeats (docs/instrumentation.md).
 Puts a ``sitecustomize`` on ``PYTHONPATH`` (see ``syncwatch.instrument.auto``) and replaces
 itself with the command, so signals and the exit status are the command's own. Options become
-``SYNCWATCH_*`` variables that every rank reads.
+``SYNCWATCH_*`` variables that every rank reads. Its own errors, in one line: exit 2 for bad
+options or no command, 127 for a command not found, 126 for one that cannot be executed.
 
 Only the ``sitecustomize``'s own directory goes on ``PYTHONPATH``, never the directory syncwatch
 is installed in: that is a whole ``site-packages``, which ahead of the program's would shadow its
@@ -132,7 +133,8 @@ def run(args) -> int:
         os.execvpe(command[0], command, child_env(args))
     except OSError as e:
         print(f"syncwatch-run: cannot run {command[0]!r}: {e.strerror}", file=sys.stderr)
-        return 127
+        # as the shell and env(1) say it: 127 not found, 126 found but not executable
+        return 127 if isinstance(e, FileNotFoundError) else 126
     return 0  # not reached
 
 
