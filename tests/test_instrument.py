@@ -1842,6 +1842,27 @@ def test_syncwatch_run_keeps_the_empty_entries_of_the_users_pythonpath(user, chi
     assert again["PYTHONPATH"] == env["PYTHONPATH"]
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_syncwatch_run_chains_the_users_sitecustomize_and_reports_its_error(tmp_path, fails):
+    """A ``sitecustomize`` already on the path runs after syncwatch's. One that raised was
+    silenced, where Python itself says ``Error in sitecustomize`` and the cause: now it says
+    so under ``syncwatch-run`` too, and the program starts all the same, instrumented."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\nos.environ['USER_SITE_RAN'] = '1'\n"
+        + ("raise RuntimeError('no cluster config')\n" if fails else ""))
+    parser = __import__("argparse").ArgumentParser()
+    run_mod.add_arguments(parser)
+    env = run_mod.child_env(parser.parse_args(["python"]), subprocess_env(PYTHONPATH=str(site)))
+    out = subprocess.run([sys.executable, "-c", "import os, sys; print(os.environ.get("
+                          "'USER_SITE_RAN'), 'syncwatch.instrument.auto' in sys.modules)"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "1 True\n", out.stderr
+    assert out.stderr == ("Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
+                          "RuntimeError: no cluster config\n" if fails else "")
+
+
 def test_syncwatch_run_from_another_environment_shadows_none_of_the_programs_modules(
         tmp_path, monkeypatch):
     """syncwatch-run installed in its own environment (pipx, a tools venv) runs a program whose

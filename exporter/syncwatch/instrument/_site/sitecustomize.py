@@ -54,5 +54,9 @@ def _chain() -> None:
 
 try:
     _chain()
-except Exception:
-    pass
+except Exception as e:  # said as Python says it of a sitecustomize of its own: not silenced
+    if sys.flags.verbose:
+        sys.excepthook(*sys.exc_info())
+    else:
+        print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
+              f"{type(e).__name__}: {e}", file=sys.stderr)
