@@ -325,3 +325,12 @@ def test_notes_whose_init_never_ran_report_an_error_instead_of_crashing(Notes):
     n.bind(collections.deque().append, itertools.count().__next__, errors.append)
     n.step(1)  # counted as an internal error, like any other
     assert [type(e) for e in errors] in ([TypeError], [AttributeError])
+
+
+@pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
+def test_init_again_unbinds(Notes):
+    n, entries, errors = bound(Notes)
+    n.__init__(STEP, lambda: 0)  # notes.py's __init__ sets _to = None
+    assert not n.bound
+    n.step(1)
+    assert not entries

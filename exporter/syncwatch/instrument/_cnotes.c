@@ -119,6 +119,7 @@ notes_init(NotesObject *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "Notes: wall must be callable");
         return -1;
     }
+    Py_CLEAR(self->to);  /* notes.py's __init__ starts unbound: `self._to = None` */
     Py_INCREF(step_code);
     Py_XSETREF(self->step_code, step_code);
     Py_INCREF(wall);
