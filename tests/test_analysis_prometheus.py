@@ -142,6 +142,14 @@ def autocorrelation_series(job: str, early: float, late: float):
     return out
 
 
+def young_exchange_series(job: str, period: int = 20):
+    """``job_series`` with the exchange every ``period`` s, its slack and last arrivals exported
+    from the first landing on (T0 + period), as a daemon exports them: no sample before it."""
+    landed = ("syncwatch_slack_seconds_total", "syncwatch_last_arrivals_total")
+    return [(name, lab, [(t, v) for t, v in points if name not in landed or t >= T0 + period])
+            for name, lab, points in job_series(job, exchange=period, step_times=True)]
+
+
 @pytest.fixture(scope="module")
 def prom(tmp_path_factory):
     series = [*job_series("steady"),
@@ -151,6 +159,7 @@ def prom(tmp_path_factory):
               *job_series("scraped-15s", scrape=15),
               *job_series("scraped-30s", scrape=30, step_times=True),
               *job_series("exchange-20s", exchange=20, step_times=True),
+              *young_exchange_series("young-exchange"),
               *checkpointing_series("every-rank-saves", rank0_only=False),
               *checkpointing_series("rank-0-saves", rank0_only=True),
               *autocorrelation_series("early-noise", -0.8, -0.1),
@@ -223,6 +232,21 @@ def test_a_range_shorter_than_one_exchange_period_is_refused(prom, monkeypatch, 
     assert code == 2 and out == ""
     assert "shorter than one exchange period (about 20 s)" in err and "widen the range" in err
     assert "Traceback" not in err
+
+
+def test_a_job_younger_than_two_exchange_periods_is_refused_as_such(prom, monkeypatch, capsys):
+    """A job started 35 s before the end of a 10-minute range (the demo read right after it
+    started): one landing, which to Prometheus is a series' first sample, no increase. It was
+    told "the range is shorter than one exchange period ... widen the range", which a wider range
+    cannot help; it is told how little of the range the job ran, and to read it again later."""
+    code, out, err = run_cli(monkeypatch, capsys, [
+        "diagnose", "--prometheus", prom, "--job", "young-exchange", "--start", f"{T0 + 35 - 600}",
+        "--end", f"{T0 + 35}"])
+    assert code == 2 and out == ""
+    assert "the job stepped in only about" in err and "read the job again" in err
+    assert "widen the range" not in err and "Traceback" not in err
+    ran = float(err.split("only about ")[1].split(" s")[0])
+    assert 35 <= ran <= 35 + 600 / 10  # whole windows: at most one more
 
 
 @pytest.mark.parametrize("span", [0.3, 0.999])

@@ -351,6 +351,17 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
     arrivals = [x for row in per_rank["last_arrivals"].values() for x in row if x is not None]
     if arrivals and not any(x > 0 for x in arrivals):  # the exchange is on, and none landed
         about = f" (about {period:.0f} s)" if period is not None else ""
+        stepped = [i for i in range(len(times)) if any(row[i] for row in per_rank["steps"].values())]
+        ran = (stepped[-1] - stepped[0] + 1) * width
+        if ran < span - width:
+            # the job began (or ended) inside the range: widening it adds nothing. A daemon exports
+            # slack and last arrivals from the first landing on, and Prometheus counts no increase
+            # from a series' first sample: the job needs two landings in range
+            raise AnalysisError(f"no skew-exchange result for train job {job!r} between {fmt_time(start)} and "
+                                f"{fmt_time(end)}: the job stepped in only about {ran:.0f} s of the range, and "
+                                f"slack and last arrivals land once per exchange period{about} (K steps, or "
+                                "30 s of them), the first only as a second follows it; read the job again "
+                                "once it has run for a few periods")
         raise AnalysisError(f"no skew-exchange result for train job {job!r} between {fmt_time(start)} and "
                             f"{fmt_time(end)}: the range is shorter than one exchange period{about}, and "
                             "slack and last arrivals land once per period; widen the range")
