@@ -328,3 +328,14 @@ def test_a_healthy_job_through_prometheus_gets_no_congestion(congestion_prom, se
     if not check["agrees"]:
         code, out, err = run_cli(monkeypatch, capsys, argv)
         assert code == 0 and "step CV check: the model gives" in out and "floors" in out, out
+
+
+def test_too_few_windows_hold_no_congestion_episodes():
+    """Two or three windows (a job a minute old): their quiet fifth is an extrapolation below the
+    smallest ([10, 12] gave 9.2), and a straggler job read episodes in 79 % of its steps. They
+    hold none now; four windows with one inflated still give episodes."""
+    for windows in ([0.010, 0.012], [0.010, 0.012, 0.011]):
+        c, q, f = project._window_episodes(windows, 0.013, None)
+        assert (c, q, f) == (0.013, 0.0, 1.0)
+    c, q, f = project._window_episodes([0.010, 0.010, 0.010, 0.030], 0.015, None)
+    assert c == pytest.approx(0.010) and q > 0 and f > 1

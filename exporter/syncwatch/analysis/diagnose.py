@@ -26,7 +26,7 @@ from .common import command, emit_json, lag1, ms, pct, plural
 from .prom import quote
 from .recording import MIN_WINDOW_STEPS
 from .source import add_source_flags, view_from_args
-from .view import AUTOCORRELATION_MIN_STEPS, BYTES_SERIES, CONGESTION_SERIES, JobView
+from .view import AUTOCORRELATION_MIN_STEPS, BYTES_SERIES, CONGESTION_SERIES, FEW_WINDOWS, JobView
 
 # without the skew exchange a straggler is named from mean waits: one that leads on average, not
 # one counted last step by step, so its finding is this much less sure
@@ -35,9 +35,6 @@ ESTIMATE_PENALTY = 0.1
 ESTIMATED_SCORES = ["coupling", "straggler_concentration", "collective_seconds"]
 FEW_STEPS = 100  # below this many steps in range a healthy verdict says it rests on too few
 FEW_LAST_ARRIVALS = MIN_WINDOW_STEPS  # below this many in range no straggler is named
-# windows the job ran through that fabric contention needs (and topology mismatch, two per half):
-# a range far longer than the job (--start now-24h for a 45-minute job) holds one or two
-FEW_WINDOWS = 4
 
 
 @dataclass(frozen=True)

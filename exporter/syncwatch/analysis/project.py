@@ -45,7 +45,7 @@ from .common import AnalysisError, command, emit_json, pct, plural
 from .orderstats import normal_max_moments
 from .recording import select
 from .source import add_source_flags, view_from_args
-from .view import JobView
+from .view import FEW_WINDOWS, JobView
 
 EPISODE = 1.5  # a step's collective above this x baseline is a congestion episode
 # from Prometheus: the mean collective must exceed the quiet windows' by this share to hold episodes;
@@ -166,9 +166,14 @@ def _window_episodes(windows: list[float], mean: float, step_var: float | None) 
     and the variance ``V = c^2 (f - 1)^2 q (1 - q)``, which is the measured per-step variance of the
     step time less the slowest rank's (``step_var``, from the daemon's step CV). Hence
     ``f - 1 = (V / c^2 + e^2) / e`` and ``q = e / (f - 1)``. Window means vary less than steps do,
-    so their variance is a floor of V (and V itself without a step CV in range).
+    so their variance is a floor of V (and V itself without a step CV in range). Fewer than
+    ``FEW_WINDOWS`` windows hold no episodes: the quiet fifth of two or three is an extrapolation
+    below the smallest ([10, 12] gave 9.2), and a straggler job a minute old read episodes in 79 %
+    of its steps.
     """
-    base = statistics.quantiles(windows, n=5)[0] if len(windows) > 1 else windows[0]
+    if len(windows) < FEW_WINDOWS:  # the 20th percentile of 2 or 3 fell below the smallest
+        return mean, 0.0, 1.0
+    base = statistics.quantiles(windows, n=5)[0]
     if base <= 0:
         return 0.0, 0.0, 1.0
     excess = mean / base - 1

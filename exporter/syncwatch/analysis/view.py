@@ -70,6 +70,10 @@ EXCHANGES_PER_WINDOW = 4
 # reads -0.5 or below in 22 % of 4-step windows, 7 % of 10, 1.3 % of 20, 0.2 % of 30 (white
 # noise; the healthy simulator's steps alike) and a 4-step range after a restart read oscillation
 AUTOCORRELATION_MIN_STEPS = 20
+# windows the job ran through that the per-window reads need: diagnose's fabric contention (and
+# topology mismatch, two per half) and project's congestion episodes. A range far longer than the
+# job (--start now-24h for a 45-minute job), or a job a minute old, holds one or two.
+FEW_WINDOWS = 4
 WARNINGS_SHOWN = 3  # a partial answer from many stores warns once per store: the first few say enough
 
 
