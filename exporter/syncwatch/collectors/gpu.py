@@ -611,7 +611,9 @@ def _raise(e: Exception):
 
 def _up_family() -> GaugeMetricFamily:
     return GaugeMetricFamily("syncwatch_gpu_up", "1 while the GPU answers NVML, 0 when lost, timed "
-                             "out or needing a reset.", labels=["gpu", "uuid"])
+                             "out or needing a reset, and 0 under its last index for a GPU seen "
+                             "since the daemon started that NVML no longer lists (or while NVML "
+                             "is absent or finds no GPU).", labels=["gpu", "uuid"])
 
 
 @register("gpu", default=True, help="NVIDIA GPUs through NVML (temperatures, power, clocks, throttling, errors)")

@@ -73,7 +73,9 @@ class InfinibandCollector:
                                       labels=["device", "port", "reason"])
         up = GaugeMetricFamily("syncwatch_ib_port_up", "1 if the port state is ACTIVE or ACTIVE_DEFER.",
                                labels=dp)
-        rate = GaugeMetricFamily("syncwatch_ib_port_rate_bytes", "Port rate in bytes per second.", labels=dp)
+        rate = GaugeMetricFamily("syncwatch_ib_port_rate_bytes",
+                                 "Port rate in bytes per second (none for a port in state DOWN).",
+                                 labels=dp)
 
         def value(path: str, read=read_int):
             return read_or_none(path, errors, read)
