@@ -294,8 +294,9 @@ def hardware(c: Ctx) -> list[dict]:
         alert(c, "SyncwatchGpuLost",
               "syncwatch_gpu_up == 0", w.for_gpu_lost, "critical",
               "A GPU stopped answering.",
-              f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) on {INSTANCE} is lost or needs a "
-              f"reset; every train job using it is stalled or dead."),
+              f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) on {INSTANCE} is lost, needs a "
+              f"reset or is no longer listed by NVML (then under its last index, told apart by uuid); every "
+              f"train job using it is stalled or dead."),
         alert(c, "SyncwatchGpuXidCritical",
               xid_recent(f'xid=~"{t.xid_critical}"'),
               w.for_xid, "critical",
