@@ -55,8 +55,8 @@ class _Transport(argparse.Action):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     transport = parser.add_mutually_exclusive_group()
     add_flag(transport, "--socket", default=None, action=_Transport,
-             help=f"daemon's Unix datagram ingest socket (default {DEFAULT_SOCKET}; "
-                  f"--socket wins over SYNCWATCH_UDP)")
+             help=f"daemon's Unix datagram ingest socket, used even where SYNCWATCH_UDP is "
+                  f"set (default {DEFAULT_SOCKET})")
     add_flag(transport, "--udp", default=None, action=_Transport,
              help="send to the daemon over UDP HOST:PORT instead")
     add_flag(parser, "--job", default=None, help="train_job label (default: launcher's job id)")
