@@ -52,10 +52,14 @@ def families(snap: Snapshot) -> list:
     tokens = CounterMetricFamily("syncwatch_tokens", "Tokens processed by the rank (when reported).",
                                  labels=RL)
     cv = GaugeMetricFamily("syncwatch_step_cv",
-                           "Coefficient of variation of the rank's step time over the last W steps.",
+                           "Coefficient of variation of the rank's step time, less its checkpoint and "
+                           "eval phases, over the last W steps; a process's first step (its "
+                           "warm-up) left out.",
                            labels=RL)
     ac = GaugeMetricFamily("syncwatch_step_autocorrelation",
-                           "Lag-1 autocorrelation of the rank's step time over the last W steps.",
+                           "Lag-1 autocorrelation of the rank's step time, less its checkpoint and "
+                           "eval phases, over the last W steps; a process's first step (its "
+                           "warm-up) left out.",
                            labels=RL)
     last_step = GaugeMetricFamily("syncwatch_last_step", "Number of the rank's last completed step.",
                                   labels=RL)
