@@ -438,6 +438,20 @@ def test_fake_nvml_handle_by_uuid_has_pynvml_semantics():
         fake.nvmlDeviceGetHandleByUUID(healthy_node(4)[0].uuid)
 
 
+def _gpu_2_gone_gpu_3_forbidden():
+    """An 8-GPU node read once; GPU 2 falls off the bus, NVML is initialized again, and GPU 3,
+    index 2 at the next init, answers NO_PERMISSION. Returns the node as it was, the fake, the
+    collector."""
+    old = healthy_node(8)
+    fake = FakeNvml(healthy_node(8))
+    collector = GpuCollector(nvml=fake)
+    cycle(collector)
+    fake.fall_off_bus(2)
+    reinit(collector, fake)
+    fake.gpus[3].error = N.NVML_ERROR_NO_PERMISSION
+    return old, fake, collector
+
+
 def test_a_gpu_gone_while_another_now_at_its_index_may_not_be_opened():
     """GPU 2 falls off the bus; NVML initialized again lists 7 GPUs, and index 2 (now GPU 3,
     healthy) answers NO_PERMISSION. The missing GPUs were told by their last index: GPU 2's is
@@ -445,13 +459,7 @@ def test_a_gpu_gone_while_another_now_at_its_index_may_not_be_opened():
     syncwatch_gpu_up{gpu="3"} 0 ("no longer enumerated"): a healthy GPU paged, the gone one
     silent. NVML is now asked for each remembered UUID no index answered with: GPU 2 is not
     found (gone: 0), GPU 3 may not be opened (not watched: an error, no page)."""
-    old = healthy_node(8)
-    fake = FakeNvml(healthy_node(8))
-    collector = GpuCollector(nvml=fake)
-    cycle(collector)
-    fake.fall_off_bus(2)
-    reinit(collector, fake)
-    fake.gpus[3].error = N.NVML_ERROR_NO_PERMISSION  # GPU 3: index 2 at the next init
+    old, fake, collector = _gpu_2_gone_gpu_3_forbidden()
     reg, errors, families = cycle(collector)
     up = "syncwatch_gpu_up"
     assert reg.get_sample_value(up, labels(2)) == 0
@@ -469,14 +477,8 @@ def test_a_missing_gpu_nvml_does_not_find_while_an_index_may_not_be_opened_is_no
     answer NOT_FOUND for a GPU the daemon may not open. Then a GPU not found may be the one at
     the forbidden index, healthy: while a forbidden index is left that no remembered UUID was
     placed at, a remembered GPU NVML does not find is not reported down (an error says why)."""
-    old = healthy_node(8)
-    fake = FakeNvml(healthy_node(8))
-    collector = GpuCollector(nvml=fake)
-    cycle(collector)
-    fake.fall_off_bus(2)
-    reinit(collector, fake)
+    old, fake, collector = _gpu_2_gone_gpu_3_forbidden()
     third = fake.gpus[3]
-    third.error = N.NVML_ERROR_NO_PERMISSION  # index 2 at the next init
     by_uuid = fake.nvmlDeviceGetHandleByUUID
 
     def not_found_when_forbidden(uuid):
