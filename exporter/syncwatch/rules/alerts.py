@@ -50,7 +50,8 @@ def variance(c: Ctx) -> list[dict]:
               w.for_variance, "critical",
               "Step-time variance of a train job is growing.",
               f"Step-time CV of train job {JOB} is {_num('%.3f')} over the last {c.d(w.rate)} "
-              f"(pages above {t.cv_page:g}, or at {t.cv_growth_page:g}x its own CV of "
+              f"(pages above {t.cv_page:g}, or above {t.cv_growth_min:g} and at "
+              f"{t.cv_growth_page:g}x its own CV of "
               f"{c.d(w.baseline_offset)}-{c.d(w.baseline_offset + w.baseline)} ago). "
               f"Every rank waits for the slowest at each collective: growing variance is lost "
               f"throughput and an early sign of a failing node or a congested fabric."),
