@@ -207,7 +207,7 @@ class Driver:
         self.truth = GroundTruth(params, job, slack_seconds=[0.0] * W, last_arrivals=[0] * W)
         self._window_steps: list[StepTruth] = []
         self._next_heartbeat = heartbeat_every
-        self._t0 = time.monotonic()
+        self._t0 = time.monotonic()  # when virtual time 0 was, in real time: set by each run()
         self.stepping = False
         """A step is under way (real time: the driver waits for its end); False before the run,
         in a restart's downtime and once the run is over: the simulated GPUs' busy time."""
@@ -268,6 +268,11 @@ class Driver:
             raise ValueError("give a step count or a stop event")
         done = 0
         completed = False
+        if not self.fast:
+            # pace from now, on the virtual time the model has reached: from the driver's
+            # construction, a pause before run() (or between two runs) was virtual time to catch
+            # up, its steps sent without sleeping
+            self._t0 = time.monotonic() - self.model.time * self.time_scale
         try:
             while steps <= 0 or done < steps:
                 event = self.model.next()
