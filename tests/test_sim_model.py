@@ -1,6 +1,7 @@
 """The simulator's model: ground-truth invariants, calibration against the paper, scenario effects."""
 
 import math
+import re
 
 import pytest
 
@@ -234,6 +235,20 @@ def test_parameters_that_give_infinite_or_nan_times_name_their_field(bad, field)
     sum check, and probabilities outside 0..1 (or NaN) were taken as they came."""
     with pytest.raises(ValueError, match=f"^{field} must be"):
         Params(**bad)
+
+
+@pytest.mark.parametrize("field", ["checkpoint_every", "eval_every", "congestion_every",
+                                   "congestion_steps", "scheduled_congestion_steps"])
+@pytest.mark.parametrize("bad", [1.5, 2.0, True, -1, NAN])
+def test_step_counts_must_be_whole_numbers(field, bad):
+    """Only a negative count was refused: congestion_steps=1.5 gave 2 congested steps in 2000
+    where 1 gives 313 (the episode's countdown never returns to exactly 0, so no new episode
+    starts), and a fractional every-N never lands on a step number (no checkpoint, eval or
+    scheduled episode). A bool is no count either."""
+    with pytest.raises(ValueError, match=f"^{field} must be a whole number of steps >= 0, "
+                                         f"not {re.escape(repr(bad))}$"):
+        Params(**{field: bad})
+    assert getattr(Params(**{field: 3}), field) == 3
 
 
 @pytest.mark.parametrize("rank", [-5, -2, 8])

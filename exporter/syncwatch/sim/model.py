@@ -106,10 +106,14 @@ class Params:
             raise ValueError(f"thermal_period_steps must be >= 1, not {self.thermal_period_steps}")
         if not 0 < self.stall_alpha < math.inf:
             raise ValueError(f"stall_alpha must be positive and finite, not {self.stall_alpha}")
+        # counts of steps: congestion_steps=1.5 counted an episode down past 0 (-0.5), so no
+        # random episode started again (2 congested steps in 2000 where 1 gives 313), and a
+        # fractional every-N never divides a step number (NaN passed a "< 0" check)
         for name in ("checkpoint_every", "eval_every", "congestion_every", "congestion_steps",
                      "scheduled_congestion_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"{name} must be a whole number of steps >= 0, not {value!r}")
         # a failure after 0 steps restarted before any step ran, and a repeated count restarted
         # the new attempt before its first step (a restart with nothing re-run)
         if any(n < 1 for n in self.fail_after) or len(set(self.fail_after)) != len(self.fail_after):
