@@ -257,3 +257,28 @@ def test_packet_counters_move_with_the_bytes():
             assert after[key] - before[key] == 7 * 256 * 2**20
         for name, value in port_before.items():
             assert port_file(name) - value == 7 * 256 * 2**20 // ROCE_PACKET_BYTES, name
+
+
+def test_port_counters_stop_at_their_fields_maximum(tmp_path):
+    """A PMA counter saturates at its field's maximum, as ``ib_port`` (which refuses wider values)
+    and the kernel's fields have it: ``Counters.bump`` went on past it, and the congestion
+    scenario passed port_xmit_wait's 2**32 - 1 after ~52.6k steps. Netdev statistics and
+    hw_counters are 64-bit: not capped."""
+    from syncwatch.sim import sysfs_tree
+    from syncwatch.sim.hardware import NodeHardware
+    node = NodeHardware("sim-node-00", 1, tmp_path)
+    counters, read = node.port / "counters", (lambda path: int(path.read_text()))
+    steps = 11_000  # 11000 x 400000 > 2**32
+    node.move(port_bytes=0, nic_in=1, quiet_steps=0, congested_steps=steps)
+    assert read(counters / "port_xmit_wait") == 2**32 - 1
+    assert read(node.port / "hw_counters" / "np_cnp_sent") == steps * CONGESTED_STEP["np_cnp_sent"]
+    node.move(port_bytes=0, nic_in=1, quiet_steps=1, congested_steps=0)
+    assert read(counters / "port_xmit_wait") == 2**32 - 1          # stays there
+    bump = node.counters.bump
+    for name, width in sysfs_tree.PMA_WIDTHS.items():
+        bump(counters / name, 2**width)
+        assert read(counters / name) == 2**width - 1, name
+    stats = node.nic / "statistics" / "rx_packets"              # a netdev counter: no PMA field
+    before = read(stats)
+    bump(stats, 2**40)
+    assert read(stats) == before + 2**40

@@ -52,17 +52,26 @@ class Counters:
 
     ``bump(path, by)`` adds ``by`` to the counter file ``path`` (read once, on its first bump),
     replacing the file whole: a reader never sees it half written (a sysfs attribute reads
-    atomically). Four system calls a bump, since each one lets other threads take the
+    atomically). A port counter (``counters/<name>``) stops at its field's maximum
+    (``PMA_WIDTHS``), as the port's counters saturate; netdev statistics and ``hw_counters``
+    are 64-bit and go on. Four system calls a bump, since each one lets other threads take the
     interpreter lock: the simulator's hardware bumps dozens of files per tick."""
 
     def __init__(self):
         self._values: dict[Path, int] = {}
+        self._limits: dict[Path, int | None] = {}
 
     def bump(self, path: Path, by: int) -> None:
         value = self._values.get(path)
         if value is None:
             value = int(path.read_text())
-        self._values[path] = value = value + by
+            width = PMA_WIDTHS.get(path.name) if path.parent.name == "counters" else None
+            self._limits[path] = None if width is None else 2 ** width - 1
+        value += by
+        limit = self._limits[path]
+        if limit is not None and value > limit:
+            value = limit  # saturated: the congestion scenario passed port_xmit_wait's in ~52.6k steps
+        self._values[path] = value
         tmp = f"{path}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
