@@ -282,3 +282,15 @@ def test_port_counters_stop_at_their_fields_maximum(tmp_path):
     before = read(stats)
     bump(stats, 2**40)
     assert read(stats) == before + 2**40
+
+
+def test_packet_sizes_agree_with_the_nics_mtu(tmp_path):
+    """The netdev's mtu file said 9000 while its packet counters counted 1500-byte frames. Both
+    packet sizes follow the mtu file: the netdev's full frames are its MTU, and the RoCE port's
+    packets the largest RDMA MTU that fits in it with the RoCE headers (the kernel's
+    ``iboe_get_mtu``: GRH, UDP, BTH, XRC and AtomicETH extension headers and ICRC, 96 bytes)."""
+    from syncwatch.sim.hardware import NodeHardware
+    node = NodeHardware("sim-node-00", 1, tmp_path)
+    mtu = int((node.nic / "mtu").read_text())
+    assert NIC_PACKET_BYTES == mtu
+    assert ROCE_PACKET_BYTES == max(m for m in (256, 512, 1024, 2048, 4096) if m <= mtu - 96)

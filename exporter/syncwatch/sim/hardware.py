@@ -27,7 +27,7 @@ otherwise:
 | power, energy | while busy 250 W + 150 W x clock / 1980 MHz, else 90 W; energy += power x time |
 | RoCE port data | every step a ring all-reduce moves 2 (N - 1) / N x ``GRADIENT_BYTES`` out and in |
 | NIC bytes | data loading: samples x ``SAMPLE_BYTES`` in, a fiftieth of that out |
-| packets | each tick's bytes / ``NIC_PACKET_BYTES`` (1500) on the netdev, / ``ROCE_PACKET_BYTES`` (4096) on the port (``port_*_packets``, ``unicast_*_packets``), rounded up |
+| packets | each tick's bytes / ``NIC_PACKET_BYTES`` (9000, the netdev's ``NIC_MTU``) on the netdev, / ``ROCE_PACKET_BYTES`` (4096, the RDMA MTU that fits in it) on the port (``port_*_packets``, ``unicast_*_packets``), rounded up |
 | ``port_xmit_wait``, CNP sent / handled, ECN marked | a trickle per quiet step, much more per step of a congestion episode, on every node |
 """
 
@@ -53,9 +53,13 @@ from .driver import Driver, gpu_uuid, node_name
 NIC, HCA = "ens1f0np0", "mlx5_0"
 GRADIENT_BYTES = 256 * 2**20        # gradients all-reduced per step
 SAMPLE_BYTES = 150_000              # one training sample as loaded over the NIC
-# bytes per packet, as the counters count them: the netdev's full frames at its default MTU
-# (1500), the RoCE port's at an RDMA MTU of 4096 (the usual with a 9000-byte Ethernet MTU)
-NIC_PACKET_BYTES, ROCE_PACKET_BYTES = 1500, 4096
+# the netdev's MTU (its mtu file): jumbo frames, as a RoCE fabric runs them, since the RoCE
+# port's RDMA MTU is the largest that fits in it with the RoCE headers (the kernel's
+# iboe_get_mtu): 4096 takes an MTU of at least 4192, the default 1500 gives 1024
+NIC_MTU = 9000
+# bytes per packet, as the counters count them: the netdev's full frames at its MTU, the RoCE
+# port's at its RDMA MTU
+NIC_PACKET_BYTES, ROCE_PACKET_BYTES = NIC_MTU, 4096
 BASE_CLOCK_MHZ = 1980
 BASE_TEMPERATURE, HEAT_CELSIUS, THROTTLE_HEAT = 65, 20, 0.75
 IDLE_POWER_MW, BUSY_POWER_MW, CLOCK_POWER_MW = 90_000, 250_000, 150_000
@@ -74,7 +78,7 @@ class NodeHardware:
         self.nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(node, local), temperature=BASE_TEMPERATURE,
                                       power_mw=IDLE_POWER_MW, energy_mj=10**9, utilization=0)
                               for local in range(gpus)])
-        self.nic = sysfs_tree.nic(root, NIC, speed="200000")
+        self.nic = sysfs_tree.nic(root, NIC, speed="200000", mtu=NIC_MTU)
         self.port = sysfs_tree.ib_port(root, HCA, 1, link_layer="Ethernet")
         self.counters = sysfs_tree.Counters()
 

@@ -82,7 +82,7 @@ class Counters:
 
 
 def nic(root: Path, dev: str, *, speed: str, operstate: str = "up", carrier_changes: int = 2,
-        stats: dict[str, int] | None = None, skip: tuple[str, ...] = ()) -> Path:
+        mtu: int = 9000, stats: dict[str, int] | None = None, skip: tuple[str, ...] = ()) -> Path:
     """A network interface; returns its directory. ``skip`` leaves attributes out."""
     base = root / "class" / "net" / dev
     values = {"rx_bytes": 918_273_645_120, "tx_bytes": 905_112_334_080, "rx_packets": 231_004_512,
@@ -91,7 +91,7 @@ def nic(root: Path, dev: str, *, speed: str, operstate: str = "up", carrier_chan
         if name not in skip:
             write(base / "statistics" / name, str(values.get(name, 0)))
     for name, text in (("operstate", operstate), ("speed", speed), ("carrier_changes", str(carrier_changes)),
-                       ("carrier", "1" if operstate == "up" else "0"), ("mtu", "9000"), ("type", "1")):
+                       ("carrier", "1" if operstate == "up" else "0"), ("mtu", str(mtu)), ("type", "1")):
         if name not in skip:
             write(base / name, text)
     return base
