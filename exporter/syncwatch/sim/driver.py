@@ -20,7 +20,14 @@ the driver waits for it to leave before the next record, so nothing is lost or r
 daemon's state is the same on every run; a long step carries at most
 ``MAX_FAST_HEARTBEATS_PER_STEP`` heartbeats per rank, its last one among them. ``fast=False``
 sleeps so each step takes its simulated time x ``time_scale`` and stamps records with the real
-wall clock (the demo).
+wall clock (the demo); each ``run()`` paces from its own start.
+
+``time_scale`` (real-time mode only) stretches real time and nothing else: the durations the
+records carry stay in virtual seconds (step seconds, waits, phase times, slack, skew, a
+heartbeat's time in its phase; ``heartbeat_every`` and ``exchange_seconds`` are virtual seconds
+too). Real time are the wall stamps, the heartbeats' spacing (``heartbeat_every`` x
+``time_scale`` real seconds) and the simulated hardware (``sim.hardware``: energy, busy time,
+counter rates). A rank's ``rate(syncwatch_step_seconds_total)`` reads 1 / ``time_scale``.
 """
 
 from __future__ import annotations
@@ -162,6 +169,8 @@ class Driver:
 
     ``targets``: one dict per node, ``{"socket": path}`` or ``{"udp": "127.0.0.1:PORT"}``, saying
     where that node's ranks send; ``None`` runs the model without sending anything.
+    ``time_scale``: real-time mode's real seconds per virtual second; the records' durations stay
+    virtual seconds, their wall stamps are real (the module's docstring).
     """
 
     def __init__(self, params: Params, seed: int = 0, *, targets: list[dict] | None = None,

@@ -29,7 +29,10 @@ DEFAULT_STEPS = {"healthy": 300, "straggler": 300, "oscillation": 200, "congesti
 
 
 def straggler_rank(world_size: int) -> int:
-    """The straggler scenario's slow rank: global rank 5 (node 0, local rank 5) or the last rank."""
+    """The straggler scenario's slow rank: global rank 5, or the last rank of a smaller world.
+
+    Rank 5 is node 0's local rank 5 with 6 ranks a node or more, else on a later node (node 1's
+    local rank 1 at 4 a node)."""
     return min(5, world_size - 1)
 
 
