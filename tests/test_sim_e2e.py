@@ -189,9 +189,14 @@ def test_a_checkpoint_on_rank_0_alone_is_its_peers_sync(cluster):
     assert cv[0] == pytest.approx(truth.cv(100), rel=1e-9) and cv[0] < 0.1
     assert cv[1] > 1
     # the exact exchange compares waits plus own pauses: both ranks idled through the save, so
-    # it is no slack for rank 1 (100 s with the waits alone) and no skew
+    # it is no slack for rank 1 (100 s with the waits alone) and no skew. The exported slack is
+    # what the ranks sent (the exchange's MIN/MAX derivation, window by window) and the model's
+    # ground truth, summed step by step apart from it
     slack = {r: value(sm, "syncwatch_slack_seconds_total", train_job=job, rank=r) for r in (0, 1)}
     assert slack == {r: pytest.approx(truth.reported[r].slack_seconds, rel=1e-9) for r in (0, 1)}
+    assert slack == {r: pytest.approx(truth.slack_seconds[r], rel=1e-9) for r in (0, 1)}
+    assert {r: value(sm, "syncwatch_last_arrivals_total", train_job=job, rank=r)
+            for r in (0, 1)} == {r: truth.last_arrivals[r] for r in (0, 1)}
     assert max(slack.values()) < 5.0
     assert value(sm, "syncwatch_barrier_skew_seconds_sum", train_job=job) < 5.0
 
