@@ -22,12 +22,13 @@ RANK = "train_job, rank"  # per-rank aggregation: the instance (its node's daemo
 RANK_NODE = "topk by (train_job, rank) (1, syncwatch_rank_info)"
 
 
-def started(window: str) -> str:
+def started(window: str, indent: str = "") -> str:
     """The (train_job, rank) series of a rank whose process started within ``window``: its step
     counter reset there (a restart in place), or its series is younger than the window (rate()
-    extrapolates its first value, and a new process's first step is its warm-up)."""
-    return (f"(\n  resets(syncwatch_steps_total[{window}]) > 0\n  or\n"
-            f"  syncwatch_steps_total unless syncwatch_steps_total offset {window}\n)")
+    extrapolates its first value, and a new process's first step is its warm-up). Lines after
+    the first start with ``indent``."""
+    return (f"(\n{indent}  resets(syncwatch_steps_total[{window}]) > 0\n{indent}  or\n"
+            f"{indent}  syncwatch_steps_total unless syncwatch_steps_total offset {window}\n{indent})")
 
 
 def _component(name: str, value: str, ok: float, bad: float) -> dict:
@@ -92,7 +93,7 @@ def recording_rules(c: Ctx) -> list[dict]:
                  f"       or 0 * {rate_by('syncwatch_step_seconds_total', rs, RANK)})\n  )\n"
                  f"  /\n  ({rate_by('syncwatch_steps_total', rs, RANK)} > 0)\n"
                  f"  unless on (train_job, rank)\n"
-                 f"  {started(rs).replace(chr(10), chr(10) + '  ')}\n)"},
+                 f"  {started(rs, indent='  ')}\n)"},
         {"record": "train_job:syncwatch_samples:rate5m",
          "expr": rate_by("syncwatch_samples_total", r)},
         {"record": "train_job:syncwatch_tokens:rate5m",
