@@ -344,6 +344,10 @@ class GpuCollector:
             xid_last.add_metric([str(i), uuid, str(xid)], self._xid_last[(i, uuid, xid)])
         return [xids, xid_last]
 
+    def _known_by_index(self) -> list[tuple[str, int]]:
+        """The GPUs read since the daemon started, (uuid, last index), by index then uuid."""
+        return sorted(self._known.items(), key=lambda item: (item[1], item[0]))
+
     def _nvml_gone(self, why: NoData) -> list:
         """NVML absent (``DRIVER_NOT_LOADED``; ``LIBRARY_NOT_FOUND``, which pynvml cannot answer
         once it has loaded the library, handled the same, defensively) or finding no GPU
@@ -358,7 +362,7 @@ class GpuCollector:
         whose count then fails), until NVML initializes again (retried with the backoff). Not a
         collector error, as for a GPU lost: a hardware state, said by gpu_up."""
         up = _up_family()
-        known = sorted(self._known.items(), key=lambda item: (item[1], item[0]))
+        known = self._known_by_index()
         for uuid, i in known:
             up.add_metric([str(i), uuid], 0)
         if not self._gone_warned:
@@ -406,8 +410,7 @@ class GpuCollector:
             if self._known.get(uuid, i) != i:
                 self._move_xids(uuid, i)
             self._known[uuid] = i
-        unseen = [(uuid, i) for uuid, i in sorted(self._known.items(), key=lambda item: (item[1], item[0]))
-                  if uuid not in seen]
+        unseen = [(uuid, i) for uuid, i in self._known_by_index() if uuid not in seen]
         if not unseen:
             return
         nv = self.nvml
