@@ -594,14 +594,28 @@ def test_init_retries_with_backoff():
     assert cycle(collector)[0].get_sample_value("syncwatch_gpu_up", labels(0)) == 1
 
 
-def test_init_failure_other_than_absent_is_an_error(caplog):
-    fake = FakeNvml(init_error=N.NVML_ERROR_NO_PERMISSION)
-    runner = CollectorRunner({"gpu": GpuCollector(nvml=fake)})
+# nvmlInit failures that are errors, not absence: NVML's documented NO_PERMISSION and UNKNOWN,
+# the driver replaced under the daemon, an NVML library too old for the init call
+INIT_ERRORS = [N.NVML_ERROR_NO_PERMISSION, N.NVML_ERROR_UNKNOWN, N.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+               N.NVML_ERROR_FUNCTION_NOT_FOUND]
+INIT_ERROR_IDS = ["no_permission", "unknown", "lib_rm_version_mismatch", "function_not_found"]
+
+
+@pytest.mark.parametrize("code", INIT_ERRORS, ids=INIT_ERROR_IDS)
+def test_init_failure_other_than_absent_is_an_error(caplog, code):
+    """On a node where the daemon never read a GPU: an error, and no GPU series."""
+    clock = Clock()
+    fake = FakeNvml(init_error=code)
+    runner = CollectorRunner({"gpu": GpuCollector(nvml=fake, clock=clock)}, clock=clock)
     with caplog.at_level(logging.ERROR, logger="syncwatch.collectors"):
-        runner.run_once()
-    reg = registry_of(runner.collect())
-    assert reg.get_sample_value("syncwatch_collector_success", {"collector": "gpu"}) == 0
-    assert "Insufficient Permissions" in caplog.text
+        for _ in range(5):
+            runner.run_once()
+            families = runner.collect()
+            assert registry_of(families).get_sample_value(
+                "syncwatch_collector_success", {"collector": "gpu"}) == 0
+            assert not [f for f in families if f.name.startswith("syncwatch_gpu")]
+            clock.t += 10
+    assert f"nvmlInit failed: {N.NVMLError(code)}" in caplog.text
 
 
 def test_nvml_library_too_old_for_the_init_call_is_an_error(caplog):
@@ -715,6 +729,47 @@ def test_driver_gone_after_gpus_were_read_reads_them_down(caplog, code):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+@pytest.mark.parametrize("code", INIT_ERRORS, ids=INIT_ERROR_IDS)
+def test_init_failing_after_gpus_were_read_reads_them_down_and_is_an_error(caplog, code):
+    """nvmlInit fails with an error, not absence, on a node whose GPUs the daemon has read (the
+    driver reloaded and failing, /dev/nvidiactl no longer granted to the daemon, the driver
+    replaced at another version): the cycles raised, so the runner served the last snapshot,
+    every GPU up 1, for 15 s, then withdrew every GPU series, the remembered ones too, and
+    SyncwatchGpuLost could not fire. Each GPU read since the daemon started now reads up 0 under
+    its last index (its XIDs counted before stay), with one warning naming them, and every cycle
+    is still the error it was (success 0, nvmlInit's code logged), through the init retries,
+    until NVML initializes again."""
+    clock = Clock()
+    fake = FakeNvml(healthy_node(2))
+    runner = CollectorRunner({"gpu": GpuCollector(nvml=fake, clock=clock, backoff=(10, 40))}, clock=clock)
+    runner.run_once()
+    fake.xid(1, 79)
+    runner.run_once()
+    fake.initialized = 0  # the driver reloads: every call answers UNINITIALIZED ...
+    fake.init_error = code  # ... and nvmlInit fails
+    runner.run_once()  # nvmlDeviceGetCount fails: NVML closed, initialized again next cycle
+    caplog.clear()
+    up, success = "syncwatch_gpu_up", {"collector": "gpu"}
+    with caplog.at_level(logging.WARNING, logger="syncwatch.collectors"):
+        for _ in range(12):  # a minute: past stale_after (17 s), when a failing snapshot goes
+            clock.t += 5
+            runner.run_once()
+            v = registry_of(runner.collect()).get_sample_value
+            assert v("syncwatch_collector_success", success) == 0
+            assert [v(up, labels(i)) for i in range(2)] == [0, 0]
+            assert v("syncwatch_gpu_temperature_celsius", labels(0)) is None
+            assert v("syncwatch_gpu_xid_errors_total", labels(1, xid="79")) == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and labels(1)["uuid"] in warnings[0], caplog.text
+    assert str(N.NVMLError(code)) in warnings[0]
+    fake.init_error = None
+    clock.t += 40
+    runner.run_once()
+    v = registry_of(runner.collect()).get_sample_value
+    assert v("syncwatch_collector_success", success) == 1
+    assert [v(up, labels(i)) for i in range(2)] == [1, 1]
+
+
 def test_nvml_flapping_after_gpus_were_read_warns_once(caplog):
     """The driver comes and goes (a node whose driver keeps failing): nvmlInit succeeds, the
     count fails, NVML is closed, and the next nvmlInit answers DRIVER_NOT_LOADED. The warning
@@ -804,9 +859,9 @@ def test_nvml_absent_on_a_node_that_never_had_gpus_stays_quiet(caplog, code):
 def test_driver_replaced_under_the_daemon_is_an_error_that_says_restart_it(caplog):
     """NVML_ERROR_LIB_RM_VERSION_MISMATCH from nvmlInit: the driver was reloaded at another version
     (an upgrade) while this daemon holds the old NVML library, which pynvml loads once per process
-    and never unloads, so no retry can clear it. The GPUs are not known lost (the new driver most
-    likely runs them): no syncwatch_gpu_up 0 (SyncwatchGpuLost would page every GPU of the node),
-    an error (success 0: SyncwatchCollectorFailing) that says to restart the daemon."""
+    and never unloads, so no retry can clear it: an error (success 0: SyncwatchCollectorFailing)
+    that says to restart the daemon. Its GPUs read up 0 meanwhile, as for any init failure after
+    GPUs were read: no GPU of the node is watched until then."""
     clock = Clock()
     fake = FakeNvml(healthy_node(2))
     runner = CollectorRunner({"gpu": GpuCollector(nvml=fake, clock=clock)}, clock=clock)
@@ -820,7 +875,7 @@ def test_driver_replaced_under_the_daemon_is_an_error_that_says_restart_it(caplo
     families = runner.collect()
     v = registry_of(families).get_sample_value
     assert v("syncwatch_collector_success", {"collector": "gpu"}) == 0
-    assert not [f for f in families if f.name == "syncwatch_gpu_up"]  # stale snapshot withdrawn
+    assert v("syncwatch_gpu_up", labels(0)) == 0
     assert "version mismatch" in caplog.text and "restart the daemon" in caplog.text
 
 

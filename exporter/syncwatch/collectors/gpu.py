@@ -11,9 +11,8 @@ Failure semantics:
   node without GPUs); other init failures are errors, ``FUNCTION_NOT_FOUND`` included (a library
   too old for the init call: a driver to upgrade, not a node without GPUs), and
   ``LIB_RM_VERSION_MISMATCH`` (the driver reloaded at another version under the daemon, whose
-  library pynvml never reloads: restart the daemon; the GPUs are not reported down, they are
-  most likely fine, only unwatched). Either way initialization is retried with exponential
-  backoff (10 s doubling to 5 min).
+  library pynvml never reloads: restart the daemon). Either way initialization is retried with
+  exponential backoff (10 s doubling to 5 min).
 * NVML absent, or finding no GPU, once the daemon has read GPUs (NVML initialized again after a
   failure, e.g. of ``nvmlDeviceGetCount`` in a driver reset, and the driver stays unloaded, or the
   node's only GPUs left the bus): no node without GPUs but a failure of all of them.
@@ -27,6 +26,13 @@ Failure semantics:
   lost GPU, a hardware state that ``syncwatch_gpu_up`` says and SyncwatchGpuLost pages for. It
   was ``NoData``: every GPU series vanished, the remembered ones too, and SyncwatchGpuLost never
   fired while every job on the node was dead.
+* Any other init failure once the daemon has read GPUs (``NO_PERMISSION``: the daemon no longer
+  granted ``/dev/nvidiactl``; ``UNKNOWN``; ``LIB_RM_VERSION_MISMATCH``) reports the same
+  ``syncwatch_gpu_up 0`` for every GPU it remembers, with the same one warning, and stays the
+  collector error it is (success 0, above): no GPU of the node is watched, and none lost
+  meanwhile could page otherwise. Before, the error alone served the last snapshot (every GPU
+  up 1) for 15 s, then withdrew every GPU series, the remembered ones too, and SyncwatchGpuLost
+  could not fire.
 * A GPU that is lost (``GPU_IS_LOST``), needs a reset (``RESET_REQUIRED``) or times out
   (``TIMEOUT``) reports ``syncwatch_gpu_up 0`` and none of its values (withdrawn, not frozen);
   the other GPUs keep reporting.
@@ -150,8 +156,8 @@ class GpuCollector:
         # Bounded by the GPUs the node ever had.
         self._known: dict[str, int] = {}
         self._missing: set[str] = set()  # known UUIDs no index answers with, warned about once
-        # NVML absent or finding no GPU after GPUs were read: warned about once, re-armed by the
-        # first count that succeeds after it
+        # nvmlInit failing after GPUs were read: warned about once, re-armed by the first count
+        # that succeeds after it
         self._gone_warned = False
         self._xid_unwatched: set[int] = set()  # down GPUs left out of the event set, until they answer
         self._throttle_reasons_call = False  # the driver predates nvmlDeviceGetCurrentClocksEventReasons
@@ -196,8 +202,6 @@ class GpuCollector:
                 reason += (": the node's NVML library (libnvidia-ml, from the driver) lacks the init "
                            "call nvidia-ml-py makes: a driver older than this nvidia-ml-py supports")
             elif e.value == self._rm_mismatch:
-                # Not syncwatch_gpu_up 0: the GPUs are not known lost (the new driver most likely
-                # runs them), and SyncwatchGpuLost would page each. The daemon is what is broken.
                 reason += (": the driver was reloaded at another version (an upgrade) under this "
                            "daemon, whose NVML library, loaded once per process, is the old one; "
                            "no GPU is watched until you restart the daemon")
@@ -251,6 +255,11 @@ class GpuCollector:
         except NoData as e:
             if not self._known:
                 raise  # a node where this daemon never read a GPU: no GPUs, quietly
+            return self._nvml_gone(e)
+        except RuntimeError as e:
+            if not self._known:
+                raise
+            errors.append(str(e))  # an error still, as on a node where no GPU was read
             return self._nvml_gone(e)
         nv = self.nvml
         try:
@@ -348,7 +357,7 @@ class GpuCollector:
         """The GPUs read since the daemon started, (uuid, last index), by index then uuid."""
         return sorted(self._known.items(), key=lambda item: (item[1], item[0]))
 
-    def _nvml_gone(self, why: NoData) -> list:
+    def _nvml_gone(self, why: Exception) -> list:
         """NVML absent (``DRIVER_NOT_LOADED``; ``LIBRARY_NOT_FOUND``, which pynvml cannot answer
         once it has loaded the library, handled the same, defensively) or finding no GPU
         (``GPU_NOT_FOUND``) on a node whose GPUs this daemon has read: the driver unloaded (a
@@ -360,18 +369,21 @@ class GpuCollector:
         ``syncwatch_gpu_up{gpu=<its last index>, uuid} 0`` and none of its values (its XIDs
         counted before stay), with one warning (re-armed once a count succeeds: not by an init
         whose count then fails), until NVML initializes again (retried with the backoff). Not a
-        collector error, as for a GPU lost: a hardware state, said by gpu_up."""
+        collector error, as for a GPU lost: a hardware state, said by gpu_up.
+
+        Any other init failure on such a node (``NO_PERMISSION``, ``UNKNOWN``,
+        ``LIB_RM_VERSION_MISMATCH``, ...) reads the same, and ``update`` reports it as the
+        collector error it is: raised, it served the last snapshot (up 1) for 15 s, then no GPU
+        series at all."""
         up = _up_family()
         known = self._known_by_index()
         for uuid, i in known:
             up.add_metric([str(i), uuid], 0)
         if not self._gone_warned:
             self._gone_warned = True
-            log.warning("%s on a node whose GPUs this daemon has read: the driver unloaded, or "
-                        "every GPU left the bus; none of its GPUs works; gpu %s "
-                        "read syncwatch_gpu_up 0 "
-                        "under their last index until NVML answers again (init retried with "
-                        "backoff, at most %gs apart)", why,
+            log.warning("%s on a node whose GPUs this daemon has read: none of its GPUs answers "
+                        "NVML; gpu %s read syncwatch_gpu_up 0 under their last index until NVML "
+                        "answers again (init retried with backoff, at most %gs apart)", why,
                         ", ".join(f"{i} ({uuid})" for uuid, i in known), self._backoff_max)
         return [up, *self._xid_families()]
 
@@ -616,7 +628,7 @@ def _up_family() -> GaugeMetricFamily:
     return GaugeMetricFamily("syncwatch_gpu_up", "1 while the GPU answers NVML, 0 when lost, timed "
                              "out or needing a reset, and 0 under its last index for a GPU seen "
                              "since the daemon started that NVML no longer lists (or while NVML "
-                             "is absent or finds no GPU).", labels=["gpu", "uuid"])
+                             "fails to initialize).", labels=["gpu", "uuid"])
 
 
 @register("gpu", default=True, help="NVIDIA GPUs through NVML (temperatures, power, clocks, throttling, errors)")
