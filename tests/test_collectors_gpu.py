@@ -594,14 +594,19 @@ def test_init_retries_with_backoff():
     assert cycle(collector)[0].get_sample_value("syncwatch_gpu_up", labels(0)) == 1
 
 
-# nvmlInit failures that are errors, not absence: NVML's documented NO_PERMISSION and UNKNOWN,
-# the driver replaced under the daemon, an NVML library too old for the init call
-INIT_ERRORS = [N.NVML_ERROR_NO_PERMISSION, N.NVML_ERROR_UNKNOWN, N.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
-               N.NVML_ERROR_FUNCTION_NOT_FOUND]
-INIT_ERROR_IDS = ["no_permission", "unknown", "lib_rm_version_mismatch", "function_not_found"]
+# nvmlInit failures that are errors, not absence. The driver's or the GPUs' trouble: NVML's
+# documented UNKNOWN, an interrupt the driver did not get, the driver out of resources
+GPU_INIT_ERRORS = [N.NVML_ERROR_UNKNOWN, N.NVML_ERROR_IRQ_ISSUE, N.NVML_ERROR_INSUFFICIENT_RESOURCES]
+GPU_INIT_ERROR_IDS = ["unknown", "irq_issue", "insufficient_resources"]
+# The daemon's own deployment, the GPUs most likely fine: the driver replaced under the daemon,
+# /dev/nvidiactl not granted to it, an NVML library too old for the init call
+DAEMON_INIT_ERRORS = [N.NVML_ERROR_LIB_RM_VERSION_MISMATCH, N.NVML_ERROR_NO_PERMISSION,
+                      N.NVML_ERROR_FUNCTION_NOT_FOUND]
+DAEMON_INIT_ERROR_IDS = ["lib_rm_version_mismatch", "no_permission", "function_not_found"]
 
 
-@pytest.mark.parametrize("code", INIT_ERRORS, ids=INIT_ERROR_IDS)
+@pytest.mark.parametrize("code", GPU_INIT_ERRORS + DAEMON_INIT_ERRORS,
+                         ids=GPU_INIT_ERROR_IDS + DAEMON_INIT_ERROR_IDS)
 def test_init_failure_other_than_absent_is_an_error(caplog, code):
     """On a node where the daemon never read a GPU: an error, and no GPU series."""
     clock = Clock()
@@ -729,15 +734,14 @@ def test_driver_gone_after_gpus_were_read_reads_them_down(caplog, code):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-@pytest.mark.parametrize("code", INIT_ERRORS, ids=INIT_ERROR_IDS)
+@pytest.mark.parametrize("code", GPU_INIT_ERRORS, ids=GPU_INIT_ERROR_IDS)
 def test_init_failing_after_gpus_were_read_reads_them_down_and_is_an_error(caplog, code):
-    """nvmlInit fails with an error, not absence, on a node whose GPUs the daemon has read (the
-    driver reloaded and failing, /dev/nvidiactl no longer granted to the daemon, the driver
-    replaced at another version): the cycles raised, so the runner served the last snapshot,
-    every GPU up 1, for 15 s, then withdrew every GPU series, the remembered ones too, and
-    SyncwatchGpuLost could not fire. Each GPU read since the daemon started now reads up 0 under
-    its last index (its XIDs counted before stay), with one warning naming them, and every cycle
-    is still the error it was (success 0, nvmlInit's code logged), through the init retries,
+    """nvmlInit fails with an error of the driver or the GPUs, not absence, on a node whose GPUs the
+    daemon has read (the driver reloaded and failing): the cycles raised, so the runner served the
+    last snapshot, every GPU up 1, for 15 s, then withdrew every GPU series, the remembered ones
+    too, and SyncwatchGpuLost could not fire. Each GPU read since the daemon started now reads up 0
+    under its last index (its XIDs counted before stay), with one warning naming them, and every
+    cycle is still the error it was (success 0, nvmlInit's code logged), through the init retries,
     until NVML initializes again."""
     clock = Clock()
     fake = FakeNvml(healthy_node(2))
@@ -768,6 +772,47 @@ def test_init_failing_after_gpus_were_read_reads_them_down_and_is_an_error(caplo
     v = registry_of(runner.collect()).get_sample_value
     assert v("syncwatch_collector_success", success) == 1
     assert [v(up, labels(i)) for i in range(2)] == [1, 1]
+
+
+@pytest.mark.parametrize("code", DAEMON_INIT_ERRORS, ids=DAEMON_INIT_ERROR_IDS)
+def test_init_failing_for_the_daemons_fault_after_gpus_were_read_withdraws_them(caplog, code):
+    """nvmlInit fails for a fault of the daemon's own deployment on a node whose GPUs it has read
+    (the driver replaced at another version under it, /dev/nvidiactl no longer granted to it, an
+    NVML library too old): the GPUs are most likely fine, so they do not read up 0, which pages
+    SyncwatchGpuLost, critical, for every GPU of the node. The cycles raised: the runner served the
+    last snapshot, every GPU up 1, for 15 s after NVML stopped answering, then withdrew every GPU
+    series; then they read up 0 like the driver's errors. Now every cycle is the error (success 0,
+    nvmlInit's code logged, no warning) and exports no GPU series but the XIDs counted before, from
+    the first re-init on, through the init retries, until NVML initializes again."""
+    clock = Clock()
+    fake = FakeNvml(healthy_node(2))
+    runner = CollectorRunner({"gpu": GpuCollector(nvml=fake, clock=clock, backoff=(10, 40))}, clock=clock)
+    runner.run_once()
+    fake.xid(1, 79)
+    runner.run_once()
+    fake.initialized = 0  # the driver reloads: every call answers UNINITIALIZED ...
+    fake.init_error = code  # ... and nvmlInit fails
+    runner.run_once()  # nvmlDeviceGetCount fails: NVML closed, initialized again next cycle
+    caplog.clear()
+    xids = "syncwatch_gpu_xid_errors_total", "syncwatch_gpu_xid_last_event_timestamp_seconds"
+    with caplog.at_level(logging.WARNING, logger="syncwatch.collectors"):
+        for _ in range(12):  # a minute: past stale_after (17 s), when a failing snapshot goes
+            clock.t += 5
+            runner.run_once()
+            families = runner.collect()
+            v = registry_of(families).get_sample_value
+            assert v("syncwatch_collector_success", {"collector": "gpu"}) == 0
+            assert [s.name for f in families if f.name.startswith("syncwatch_gpu")
+                    for s in f.samples] == list(xids)
+            assert v("syncwatch_gpu_xid_errors_total", labels(1, xid="79")) == 1
+    assert [r.levelno for r in caplog.records] == [logging.ERROR], caplog.text  # once a minute
+    assert str(N.NVMLError(code)) in caplog.text
+    fake.init_error = None
+    clock.t += 40
+    runner.run_once()
+    v = registry_of(runner.collect()).get_sample_value
+    assert v("syncwatch_collector_success", {"collector": "gpu"}) == 1
+    assert [v("syncwatch_gpu_up", labels(i)) for i in range(2)] == [1, 1]
 
 
 def test_nvml_flapping_after_gpus_were_read_warns_once(caplog):
@@ -860,8 +905,8 @@ def test_driver_replaced_under_the_daemon_is_an_error_that_says_restart_it(caplo
     """NVML_ERROR_LIB_RM_VERSION_MISMATCH from nvmlInit: the driver was reloaded at another version
     (an upgrade) while this daemon holds the old NVML library, which pynvml loads once per process
     and never unloads, so no retry can clear it: an error (success 0: SyncwatchCollectorFailing)
-    that says to restart the daemon. Its GPUs read up 0 meanwhile, as for any init failure after
-    GPUs were read: no GPU of the node is watched until then."""
+    that says to restart the daemon. Its GPUs, most likely fine, report no series meanwhile, not
+    up 0: SyncwatchGpuLost would page each."""
     clock = Clock()
     fake = FakeNvml(healthy_node(2))
     runner = CollectorRunner({"gpu": GpuCollector(nvml=fake, clock=clock)}, clock=clock)
@@ -875,7 +920,7 @@ def test_driver_replaced_under_the_daemon_is_an_error_that_says_restart_it(caplo
     families = runner.collect()
     v = registry_of(families).get_sample_value
     assert v("syncwatch_collector_success", {"collector": "gpu"}) == 0
-    assert v("syncwatch_gpu_up", labels(0)) == 0
+    assert v("syncwatch_gpu_up", labels(0)) is None
     assert "version mismatch" in caplog.text and "restart the daemon" in caplog.text
 
 

@@ -26,13 +26,19 @@ Failure semantics:
   lost GPU, a hardware state that ``syncwatch_gpu_up`` says and SyncwatchGpuLost pages for. It
   was ``NoData``: every GPU series vanished, the remembered ones too, and SyncwatchGpuLost never
   fired while every job on the node was dead.
-* Any other init failure once the daemon has read GPUs (``NO_PERMISSION``: the daemon no longer
-  granted ``/dev/nvidiactl``; ``UNKNOWN``; ``LIB_RM_VERSION_MISMATCH``) reports the same
-  ``syncwatch_gpu_up 0`` for every GPU it remembers, with the same one warning, and stays the
-  collector error it is (success 0, above): no GPU of the node is watched, and none lost
-  meanwhile could page otherwise. Before, the error alone served the last snapshot (every GPU
-  up 1) for 15 s, then withdrew every GPU series, the remembered ones too, and SyncwatchGpuLost
-  could not fire.
+* An init error once the daemon has read GPUs is the collector error it is (success 0, above),
+  and what its GPUs read depends on whose fault it is:
+
+  - the driver's or the GPUs' (``UNKNOWN``, ``IRQ_ISSUE``, ``INSUFFICIENT_RESOURCES``, any code
+    not listed next): the same ``syncwatch_gpu_up 0`` for every GPU it remembers, with the same
+    one warning: no GPU of the node is watched, and none lost meanwhile could page otherwise;
+  - the daemon's own deployment (``NO_PERMISSION``: ``/dev/nvidiactl`` no longer granted to it;
+    ``LIB_RM_VERSION_MISMATCH``: its library is the old driver's; ``FUNCTION_NOT_FOUND``), the
+    GPUs most likely fine: no GPU series (its XIDs counted before stay), not up 0, which would
+    page SyncwatchGpuLost, critical, for every GPU of the node.
+
+  Either way the GPU series are not the last snapshot's: an init error raised served it (every
+  GPU up 1) until stale (17 s), then withdrew every GPU series, the remembered ones too.
 * A GPU that is lost (``GPU_IS_LOST``), needs a reset (``RESET_REQUIRED``) or times out
   (``TIMEOUT``) reports ``syncwatch_gpu_up 0`` and none of its values (withdrawn, not frozen);
   the other GPUs keep reporting.
@@ -130,6 +136,12 @@ class _GpuForbidden(Exception):
     not a hardware state. ``syncwatch_gpu_up 0`` would page SyncwatchGpuLost for a healthy GPU."""
 
 
+class _DaemonFault(RuntimeError):
+    """nvmlInit failed for a fault of the daemon's own deployment (its device access, its NVML
+    library), not of the driver or the GPUs, which are most likely fine: its GPUs do not read
+    ``syncwatch_gpu_up 0``, which would page SyncwatchGpuLost for every GPU of the node."""
+
+
 class GpuCollector:
     def __init__(self, nvml=None, *, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
@@ -156,8 +168,8 @@ class GpuCollector:
         # Bounded by the GPUs the node ever had.
         self._known: dict[str, int] = {}
         self._missing: set[str] = set()  # known UUIDs no index answers with, warned about once
-        # nvmlInit failing after GPUs were read: warned about once, re-armed by the first count
-        # that succeeds after it
+        # nvmlInit absent or failing (but for a _DaemonFault) after GPUs were read: warned about
+        # once, re-armed by the first count that succeeds after it
         self._gone_warned = False
         self._xid_unwatched: set[int] = set()  # down GPUs left out of the event set, until they answer
         self._throttle_reasons_call = False  # the driver predates nvmlDeviceGetCurrentClocksEventReasons
@@ -172,6 +184,8 @@ class GpuCollector:
         self._absent = {c for c in (nv.NVML_ERROR_LIBRARY_NOT_FOUND, nv.NVML_ERROR_DRIVER_NOT_LOADED,
                                     self._no_gpu) if c is not None}
         self._rm_mismatch = getattr(nv, "NVML_ERROR_LIB_RM_VERSION_MISMATCH", None)
+        self._daemon_faults = {c for c in (nv.NVML_ERROR_NO_PERMISSION, nv.NVML_ERROR_FUNCTION_NOT_FOUND,
+                                           self._rm_mismatch) if c is not None}
         self._reasons = [(label, getattr(nv, const)) for label, const in THROTTLE_REASONS]
         self._thermal = nv.nvmlClocksEventReasonSwThermalSlowdown | nv.nvmlClocksEventReasonHwThermalSlowdown
         self._value_members = {getattr(nv, name): member for name, member in VALUE_MEMBERS
@@ -186,7 +200,8 @@ class GpuCollector:
         if now < self._retry_at:  # fresh exceptions: re-raising one instance grows its traceback
             if isinstance(self._init_failure, NoData):
                 raise NoData(str(self._init_failure))
-            raise RuntimeError(f"NVML unavailable ({self._init_failure}); retry in {self._retry_at - now:.0f}s")
+            raise type(self._init_failure)(f"NVML unavailable ({self._init_failure}); "
+                                           f"retry in {self._retry_at - now:.0f}s")
         nv = self.nvml
         try:
             nv.nvmlInit()
@@ -205,8 +220,9 @@ class GpuCollector:
                 reason += (": the driver was reloaded at another version (an upgrade) under this "
                            "daemon, whose NVML library, loaded once per process, is the old one; "
                            "no GPU is watched until you restart the daemon")
-            self._init_failure = RuntimeError(reason)
-            raise RuntimeError(f"nvmlInit failed: {reason}") from None
+            failure = _DaemonFault if e.value in self._daemon_faults else RuntimeError
+            self._init_failure = failure(reason)
+            raise failure(f"nvmlInit failed: {reason}") from None
         self._ready = True
         self._backoff = self._backoff_min
         self._init_failure = None
@@ -256,6 +272,11 @@ class GpuCollector:
             if not self._known:
                 raise  # a node where this daemon never read a GPU: no GPUs, quietly
             return self._nvml_gone(e)
+        except _DaemonFault as e:
+            # No GPU series, not up 0 (see _DaemonFault). Returned, not raised: raised, the runner
+            # served the last snapshot, every GPU up 1, for 17 s after NVML stopped answering
+            errors.append(str(e))
+            return self._xid_families()
         except RuntimeError as e:
             if not self._known:
                 raise
@@ -371,10 +392,10 @@ class GpuCollector:
         whose count then fails), until NVML initializes again (retried with the backoff). Not a
         collector error, as for a GPU lost: a hardware state, said by gpu_up.
 
-        Any other init failure on such a node (``NO_PERMISSION``, ``UNKNOWN``,
-        ``LIB_RM_VERSION_MISMATCH``, ...) reads the same, and ``update`` reports it as the
-        collector error it is: raised, it served the last snapshot (up 1) for 15 s, then no GPU
-        series at all."""
+        An init error on such a node (``UNKNOWN``, ``IRQ_ISSUE``, ...) reads the same, and
+        ``update`` reports it as the collector error it is: raised, it served the last snapshot
+        (up 1) for 15 s, then no GPU series at all. Not a ``_DaemonFault``: its GPUs are most
+        likely fine, and ``update`` withdraws their series instead."""
         up = _up_family()
         known = self._known_by_index()
         for uuid, i in known:
@@ -628,7 +649,8 @@ def _up_family() -> GaugeMetricFamily:
     return GaugeMetricFamily("syncwatch_gpu_up", "1 while the GPU answers NVML, 0 when lost, timed "
                              "out or needing a reset, and 0 under its last index for a GPU seen "
                              "since the daemon started that NVML no longer lists (or while NVML "
-                             "fails to initialize).", labels=["gpu", "uuid"])
+                             "fails to initialize, unless for a fault of the daemon's own, which "
+                             "withdraws the series).", labels=["gpu", "uuid"])
 
 
 @register("gpu", default=True, help="NVIDIA GPUs through NVML (temperatures, power, clocks, throttling, errors)")
