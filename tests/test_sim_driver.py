@@ -6,6 +6,7 @@ Each node's receiver is a real Unix datagram socket read by a thread and decoded
 
 import collections
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -310,14 +311,24 @@ def test_driver_refuses_more_ranks_per_node_than_the_protocol_identifies():
 @pytest.mark.parametrize("option, bad", [("time_scale", float("nan")), ("time_scale", float("inf")),
                                          ("time_scale", 0.0), ("heartbeat_every", float("nan")),
                                          ("heartbeat_every", -1.0), ("exchange_every", 2.5),
-                                         ("exchange_every", -1)])
+                                         ("exchange_every", -1), ("exchange_every", True)])
 def test_driver_refuses_broken_clock_and_exchange_options(option, bad):
     """Each was accepted: time_scale=nan ran the real-time mode without sleeping (every sleep
     deadline NaN), time_scale=inf died at its first step (OverflowError in the wait),
     heartbeat_every=nan sent no heartbeat at all, exchange_every=2.5 never filled a window (no
-    exact slack until the run's last step, none in a run stopped by its owner)."""
+    exact slack until the run's last step, none in a run stopped by its owner), and True was
+    taken as 1."""
     with pytest.raises(ValueError, match=f"^{option} must be"):
         Driver(scenario_params("healthy", 1, 2), fast=False, **{option: bad})
+
+
+@pytest.mark.parametrize("steps", [2.5, "3", True])
+def test_a_run_refuses_a_step_count_that_is_no_whole_number(steps):
+    """run(2.5) ran 3 steps, run(True) one; run_scenario(steps=2.5) too."""
+    with pytest.raises(ValueError, match=f"^steps must be a whole number, not {re.escape(repr(steps))}$"):
+        Driver(scenario_params("healthy", 1, 2)).run(steps)
+    with pytest.raises(ValueError, match="^steps must be a whole number"):
+        run_scenario("healthy", 1, 2, steps)
 
 
 def test_realtime_pacing_starts_when_the_run_does():

@@ -251,6 +251,38 @@ def test_step_counts_must_be_whole_numbers(field, bad):
     assert getattr(Params(**{field: 3}), field) == 3
 
 
+@pytest.mark.parametrize("field, least", [("nodes", 1), ("ranks_per_node", 1),
+                                          ("thermal_period_steps", 1), ("straggler_from_step", None)])
+@pytest.mark.parametrize("bad", [2.5, 2.0, "2", True, NAN])
+def test_counts_and_step_numbers_must_be_whole_numbers(field, least, bad):
+    """Each took any number: straggler_from_step=20.5 started the straggler at step 21,
+    thermal_period_steps=2.5 gave a period no step count has, nodes=2.5 and ranks_per_node=2.5
+    passed and failed later in the model (range() of a float), a string raised a TypeError
+    naming nothing, and True counted as 1."""
+    bound = f" >= {least}" if least is not None else ""
+    with pytest.raises(ValueError, match=f"^{field} must be a whole number{bound}, "
+                                         f"not {re.escape(repr(bad))}$"):
+        Params(**{field: bad})
+    assert getattr(Params(**{field: 3}), field) == 3
+
+
+@pytest.mark.parametrize("rank", [2.5, 5.0, "5", True, NAN])
+def test_a_straggler_rank_must_be_a_whole_number(rank):
+    """straggler_rank=2.5 was taken, matched no rank, and the run had no straggler without a word;
+    True was rank 1, and "5" raised a TypeError naming nothing."""
+    with pytest.raises(ValueError, match=f"^straggler_rank must be -1 \\(none\\) or a rank from "
+                                         f"0 to 7 \\(world size 8\\), not {re.escape(repr(rank))}$"):
+        Params(nodes=2, ranks_per_node=4, straggler_rank=rank, straggler_slowdown=0.1)
+
+
+@pytest.mark.parametrize("nodes", [2.5, "2"])
+def test_a_scenario_names_a_node_count_that_is_no_whole_number(nodes):
+    """The straggler scenario's rank is computed from nodes x ranks_per_node: "2" made a string
+    of them and the scenario died on a TypeError naming nothing."""
+    with pytest.raises(ValueError, match=f"^nodes must be a whole number >= 1, not {re.escape(repr(nodes))}$"):
+        scenario_params("straggler", nodes, 8)
+
+
 @pytest.mark.parametrize("rank", [-5, -2, 8])
 def test_a_straggler_rank_outside_the_world_is_refused(rank):
     """-5 (a typo for 5) was taken as "no straggler" without a word: the run had none."""
@@ -285,10 +317,10 @@ def test_the_longest_step_bounds_every_step_the_model_gives():
     assert max(s.step_seconds for s in steps) > 0.8 * MAX_SECONDS  # nor far beyond the longest
 
 
-@pytest.mark.parametrize("fail_after", [(130, 130), (0,), (50, 0), (-5,)])
+@pytest.mark.parametrize("fail_after", [(130, 130), (0,), (50, 0), (-5,), (130.5,), (True,)])
 def test_fail_after_refuses_repeated_and_non_positive_counts(fail_after):
     """(130, 130) gave a second restart with nothing re-run (the new attempt failed before its
-    first step), (0,) restarted the job before any step ran."""
+    first step), (0,) restarted the job before any step ran, (130.5,) failed after 131 steps."""
     with pytest.raises(ValueError, match="^fail_after must be distinct step counts >= 1"):
         Params(checkpoint_every=50, fail_after=fail_after)
 

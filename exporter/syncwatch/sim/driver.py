@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from ..protocol import MAX_GPU, MAX_WORLD, PHASES, Cumulative, Encoder, Identity
 from ..sender import Sender
 from ..skew import EXCHANGE_SECONDS, SkewAccumulator, derive, window_size
-from .model import (I_CKPT, I_EVAL, I_SYNC, Model, Params, Restart, StepTruth,
+from .model import (I_CKPT, I_EVAL, I_SYNC, Model, Params, Restart, StepTruth, is_whole,
                     lag1_autocorrelation, step_cv)
 
 N_PHASES = len(PHASES)
@@ -188,7 +188,7 @@ class Driver:
         # NaN passes a "<= 0" check: a NaN time_scale ran unpaced (no sleep), a NaN
         # heartbeat_every sent no heartbeat, an infinite time_scale died mid-run (OverflowError)
         # and a fractional exchange_every never filled a window
-        if not (isinstance(exchange_every, int) and exchange_every >= 0):
+        if not (is_whole(exchange_every) and exchange_every >= 0):
             raise ValueError(f"exchange_every must be a whole number of steps >= 0, not {exchange_every!r}")
         if not heartbeat_every > 0:
             raise ValueError(f"heartbeat_every must be > 0, not {heartbeat_every}")
@@ -273,6 +273,8 @@ class Driver:
 
     def run(self, steps: int = 0, stop: threading.Event | None = None) -> GroundTruth:
         """Execute ``steps`` steps (re-runs included; 0 = until ``stop`` is set) and return the truth."""
+        if not is_whole(steps):  # run(2.5) ran 3 steps, run(True) one
+            raise ValueError(f"steps must be a whole number, not {steps!r}")
         if steps <= 0 and stop is None:
             raise ValueError("give a step count or a stop event")
         done = 0

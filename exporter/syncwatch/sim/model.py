@@ -37,6 +37,11 @@ I_DATA, I_SYNC, I_CKPT, I_EVAL = (PHASES.index(name)
                                   for name in ("data", "sync", "checkpoint", "eval"))
 
 
+def is_whole(value) -> bool:
+    """An ``int`` and not a bool: 2.5, 2.0, "2", NaN and True are no count, rank or step number."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class Params:
     """Everything the model needs. Defaults: the calibrated healthy cluster (docs/simulator.md)."""
@@ -75,8 +80,15 @@ class Params:
     samples_per_step: float = 32.0          # samples per rank per step
 
     def __post_init__(self):
-        if self.nodes < 1 or self.ranks_per_node < 1:
-            raise ValueError("nodes and ranks_per_node must be at least 1")
+        # whole numbers, checked first (a string raised a TypeError naming nothing): nodes=2.5
+        # failed later in the model (range() of a float), straggler_from_step=20.5 started the
+        # straggler at step 21, and True counted as 1
+        for name, least in (("nodes", 1), ("ranks_per_node", 1), ("thermal_period_steps", 1),
+                            ("straggler_from_step", None)):
+            value = getattr(self, name)
+            if not (is_whole(value) and (least is None or value >= least)):
+                bound = f" >= {least}" if least is not None else ""
+                raise ValueError(f"{name} must be a whole number{bound}, not {value!r}")
         # NaN fails every comparison, so each check says what is valid (and a NaN is not)
         if (len(self.phase_split) != len(COMPUTE_PHASES)
                 or not all(0 <= f < math.inf for f in self.phase_split)
@@ -102,8 +114,6 @@ class Params:
             if not abs(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be within (-1, 1): compute x (1 - {name}) "
                                  f"must stay positive, not {getattr(self, name)}")
-        if self.thermal_period_steps < 1:
-            raise ValueError(f"thermal_period_steps must be >= 1, not {self.thermal_period_steps}")
         if not 0 < self.stall_alpha < math.inf:
             raise ValueError(f"stall_alpha must be positive and finite, not {self.stall_alpha}")
         # counts of steps: congestion_steps=1.5 counted an episode down past 0 (-0.5), so no
@@ -112,18 +122,20 @@ class Params:
         for name in ("checkpoint_every", "eval_every", "congestion_every", "congestion_steps",
                      "scheduled_congestion_steps"):
             value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            if not (is_whole(value) and value >= 0):
                 raise ValueError(f"{name} must be a whole number of steps >= 0, not {value!r}")
         # a failure after 0 steps restarted before any step ran, and a repeated count restarted
         # the new attempt before its first step (a restart with nothing re-run)
-        if any(n < 1 for n in self.fail_after) or len(set(self.fail_after)) != len(self.fail_after):
+        if (not all(is_whole(n) and n >= 1 for n in self.fail_after)
+                or len(set(self.fail_after)) != len(self.fail_after)):
             raise ValueError(f"fail_after must be distinct step counts >= 1, not {self.fail_after}")
         if self.fail_after and not self.checkpoint_every:
             raise ValueError("restarts need checkpoint_every > 0 to resume from")
-        if not -1 <= self.straggler_rank < self.world_size:
+        # a fractional rank matched no rank: the run had no straggler, and nothing said so
+        if not (is_whole(self.straggler_rank) and -1 <= self.straggler_rank < self.world_size):
             raise ValueError(f"straggler_rank must be -1 (none) or a rank from 0 to "
                              f"{self.world_size - 1} (world size {self.world_size}), not "
-                             f"{self.straggler_rank}")
+                             f"{self.straggler_rank!r}")
         # a longer step (or phase, or wait) makes every daemon reject the record (bad_value)
         # while the truth counts it
         longest = self.longest_step_seconds

@@ -38,11 +38,10 @@ def straggler_rank(world_size: int) -> int:
 
 def scenario_params(name: str, nodes: int = 4, ranks_per_node: int = 8, **overrides) -> Params:
     """The ``Params`` of scenario ``name``; ``overrides`` replace any field."""
-    base = dict(nodes=nodes, ranks_per_node=ranks_per_node)
-    world = nodes * ranks_per_node
+    base = Params(nodes=nodes, ranks_per_node=ranks_per_node)  # checked before the world is used
     effects = {
         "healthy": {},
-        "straggler": dict(straggler_rank=straggler_rank(world), straggler_slowdown=0.08,
+        "straggler": dict(straggler_rank=straggler_rank(base.world_size), straggler_slowdown=0.08,
                           straggler_from_step=20),
         "oscillation": dict(oscillation=0.10),
         "congestion": dict(congestion_every=100, scheduled_congestion_steps=20,
@@ -53,7 +52,7 @@ def scenario_params(name: str, nodes: int = 4, ranks_per_node: int = 8, **overri
     }
     if name not in effects:
         raise ValueError(f"unknown scenario {name!r}; choose one of {', '.join(SCENARIOS)}")
-    return Params(**{**base, **effects[name], **overrides})
+    return base.with_(**{**effects[name], **overrides})
 
 
 def run_scenario(name: str, nodes: int = 4, ranks_per_node: int = 8, steps: int | None = None, *,
