@@ -677,3 +677,21 @@ def test_cli_errors_exit_2(tmp_path, monkeypatch, capsys):
     for argv, message in cases:
         code, out, err = run_cli(monkeypatch, capsys, ["diagnose", *argv])
         assert code == 2 and message in err, (argv, err)
+
+
+@pytest.mark.parametrize("env, argv, says", [
+    ({"SYNCWATCH_ANALYSIS_WINDOW": "0"}, ["--prometheus", "http://127.0.0.1:9", "--job", "x"],
+     "--window (from SYNCWATCH_ANALYSIS_WINDOW) must be a positive number of seconds (got 0.0)"),
+    ({"SYNCWATCH_PROMETHEUS_TIMEOUT": "nan"}, ["--prometheus", "http://127.0.0.1:9", "--job", "x"],
+     "--prometheus-timeout (from SYNCWATCH_PROMETHEUS_TIMEOUT) must be a positive number of "
+     "seconds (got nan)"),
+    ({"SYNCWATCH_PROMETHEUS": "http://127.0.0.1:9"}, ["--input", "run.json"],
+     "give either --prometheus (from SYNCWATCH_PROMETHEUS) or --input, not both"),
+])
+def test_cli_errors_name_the_variable_a_value_came_from(env, argv, says, monkeypatch, capsys):
+    """Each named the flag alone: a SYNCWATCH_PROMETHEUS exported for another job refused an
+    --input run with "give either --prometheus or --input", though no --prometheus was typed."""
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    code, out, err = run_cli(monkeypatch, capsys, ["diagnose", *argv])
+    assert code == 2 and f"error: {says}" in err and not out, err

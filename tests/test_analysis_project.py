@@ -141,6 +141,23 @@ def test_cli_offline(tmp_path, monkeypatch, capsys):
     assert code == 2 and "at least 2 nodes" in err
 
 
+@pytest.mark.parametrize("var, value, says", [
+    ("SYNCWATCH_LATENCY_US", "nan", "--latency-us (from SYNCWATCH_LATENCY_US) must be a finite number"),
+    ("SYNCWATCH_MAX_NODES", "1", "--max-nodes (from SYNCWATCH_MAX_NODES) 1 is below the 2 measured"),
+    ("SYNCWATCH_NODES", "x", "--nodes (from SYNCWATCH_NODES) 'x': expected comma-separated"),
+    ("SYNCWATCH_NODES", "1,4", "--nodes (from SYNCWATCH_NODES): node counts must be at least the 2"),
+])
+def test_cli_errors_name_the_variable_a_value_came_from(var, value, says, tmp_path, monkeypatch,
+                                                        capsys):
+    """Each named the flag alone, which no one had typed: SYNCWATCH_NODES is also jct's node
+    count, exported for it and forgotten."""
+    path = tmp_path / "run.json"
+    recording.save(simulate(2, 300, seed=1), path)
+    monkeypatch.setenv(var, value)
+    code, out, err = run_cli(monkeypatch, capsys, ["project", "--input", str(path)])
+    assert code == 2 and f"error: {says}" in err and not out, err
+
+
 def test_a_zero_median_collective_with_some_slow_steps_projects(tmp_path, monkeypatch, capsys):
     """A recorded run whose collective (the smallest wait) is 0 in most steps and not in a few
     divided by the zero baseline: project and report ended in a ZeroDivisionError traceback.

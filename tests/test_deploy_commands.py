@@ -78,6 +78,27 @@ def test_a_bad_environment_twin_stops_only_the_command_whose_flag_reads_it(monke
         assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_an_error_about_a_value_names_the_twin_it_came_from(monkeypatch):
+    """Errors about a flag's value named the flag alone (``--nodes and --step-time must be
+    positive``), also where the value came from its twin: a user who had exported
+    ``SYNCWATCH_DEMO_NODES`` and never typed ``--nodes`` could not tell where it came from.
+    ``named`` gives the twin where it gave the value, the flag alone where the command line did
+    (the same value too)."""
+    from syncwatch.cli import named
+    monkeypatch.setenv("SYNCWATCH_DEMO_NODES", "0")
+    monkeypatch.setenv("SYNCWATCH_COLLECTOR_GPU", "0")
+    args = build_parser().parse_args(["demo"])
+    assert args.nodes == 0 and named(args, "--nodes") == "--nodes (from SYNCWATCH_DEMO_NODES)"
+    assert named(args, "--step-time") == "--step-time"
+    args = build_parser().parse_args(["demo", "--nodes", "0"])
+    assert args.nodes == 0 and named(args, "--nodes") == "--nodes"
+    args = build_parser().parse_args(["daemon"])
+    assert args.collector_gpu is False
+    assert named(args, "--collector.gpu") == "--collector.gpu (from SYNCWATCH_COLLECTOR_GPU)"
+    args = build_parser().parse_args(["daemon", "--no-collector.gpu"])  # its own flag, same dest
+    assert args.collector_gpu is False and named(args, "--collector.gpu") == "--collector.gpu"
+
+
 def test_the_daemons_window_and_the_analysis_window_have_twins_of_their_own(monkeypatch):
     """The daemon's ``--window`` counts steps, the analysis commands' seconds: one shared
     ``SYNCWATCH_WINDOW``, exported for ``diagnose``, gave a daemon started later a 300-step window."""

@@ -1765,6 +1765,36 @@ def test_syncwatch_run_refuses_a_bad_option_before_running_the_command(tmp_path,
     assert out.returncode == 2 and out.stderr == f"syncwatch-run: {says}\n" and not ran.exists()
 
 
+@pytest.mark.parametrize("var, value, says", [
+    ("SYNCWATCH_UDP", "bogus", "--udp (from SYNCWATCH_UDP): UDP address must look like "
+                               "127.0.0.1:9478, got 'bogus'"),
+    ("SYNCWATCH_SOCKET", "/" + "s" * 107, f"--socket (from SYNCWATCH_SOCKET): socket path "
+                                          f"/{'s' * 107} is 108 bytes; a Unix socket path has at "
+                                          "most 107: choose a shorter one"),
+    ("SYNCWATCH_HEARTBEAT", "0", "--heartbeat (from SYNCWATCH_HEARTBEAT) must be a positive "
+                                 "number of seconds, got 0"),
+    ("SYNCWATCH_SKEW_EVERY", "-1", "--skew-every (from SYNCWATCH_SKEW_EVERY) must be 0 (off) or "
+                                   "a number of steps, got -1"),
+    ("SYNCWATCH_SKEW_SECONDS", "nan", "--skew-seconds (from SYNCWATCH_SKEW_SECONDS) must be 0, a "
+                                      "positive number or inf, got nan"),
+])
+def test_syncwatch_run_names_the_variable_a_bad_value_came_from(tmp_path, var, value, says):
+    """A bad value from a ``SYNCWATCH_*`` variable was told by its flag alone (``--udp: UDP
+    address must look like ...``): a job that only inherited the variable (a cluster-wide
+    default) typed no such flag. The error names the variable as well."""
+    ran = tmp_path / "ran"
+    out = subprocess.run([sys.executable, "-m", "syncwatch.instrument.run", "touch", str(ran)],
+                         env=subprocess_env(**{var: value}), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and out.stderr == f"syncwatch-run: {says}\n" and not ran.exists()
+
+
+def test_syncwatch_run_names_only_the_flag_that_won_over_its_variable():
+    _, out = _run_env("--heartbeat", "-1", SYNCWATCH_HEARTBEAT="0")
+    assert out.returncode == 2 and out.stderr == ("syncwatch-run: --heartbeat must be a positive "
+                                                  "number of seconds, got -1\n")
+
+
 @pytest.mark.parametrize("option, env", [(["--skew-seconds", "inf"], {}),
                                          ([], {"SYNCWATCH_SKEW_SECONDS": "inf"})])
 def test_syncwatch_run_passes_skew_seconds_of_inf_to_the_command(option, env):

@@ -165,6 +165,27 @@ def test_demo_scaling_refuses_a_bad_ranks_per_node(ranks, capsys):
     assert err.strip() == "syncwatch demo: --ranks-per-node must be at least 1" and not out
 
 
+@pytest.mark.parametrize("env, says", [
+    ({"SYNCWATCH_DEMO_RANKS_PER_NODE": "0"},
+     "--ranks-per-node (from SYNCWATCH_DEMO_RANKS_PER_NODE) must be at least 1"),
+    ({"SYNCWATCH_DEMO_NODES": "0"}, "--nodes (from SYNCWATCH_DEMO_NODES) and --step-time must be "
+                                    "positive (and finite)"),
+    ({"SYNCWATCH_DEMO_ABLATIONS": "1"}, "--ablations (from SYNCWATCH_DEMO_ABLATIONS) goes with "
+                                        "--scenario scaling"),
+    ({"SYNCWATCH_DEMO_JOB": "a b"}, "--job (from SYNCWATCH_DEMO_JOB) 'a b' is not a train_job "
+                                    "label: 1 to 128 of A-Z a-z 0-9 _ . : @ / + = -"),
+])
+def test_demo_names_the_variable_a_bad_value_came_from(env, says, monkeypatch, capsys):
+    """Each named its flag alone, where no flag had been typed: the value came from the
+    SYNCWATCH_DEMO_* variable."""
+    from syncwatch import cli
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert cli.main(["demo", "--duration", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == f"syncwatch demo: {says}" and not out
+
+
 def test_demo_announces_step_time_as_the_compute_it_is(capsys):
     """--step-time is each rank's compute a step (its help's words); a step also holds the
     collective (0.15 x compute) after the last arrival. The banner called it the step time

@@ -177,6 +177,20 @@ def test_stack_up_rejects_bad_flags_in_one_line(flag, value, says):
         "--targets": ", comma separated (e.g. 127.0.0.1:9477,node2:9477)"}.get(flag, ""), r.stderr
 
 
+@pytest.mark.parametrize("var,value,says", [
+    ("SYNCWATCH_TIME_SCALE", "0", "--time-scale (from SYNCWATCH_TIME_SCALE) must be a positive "
+                                  "number, got 0"),
+    ("SYNCWATCH_TARGETS", "nope", "--targets (from SYNCWATCH_TARGETS) 'nope': expected daemon "
+                                  "host:port pairs, comma separated (e.g. 127.0.0.1:9477,node2:9477)"),
+])
+def test_stack_up_names_the_variable_a_bad_value_came_from(var, value, says):
+    """Named by its flag alone, which no one had typed."""
+    r = subprocess.run([sys.executable, "-m", "syncwatch", "stack", "up", "--prometheus-port", "0",
+                        "--alertmanager-port", "0"], capture_output=True, text=True,
+                       env=subprocess_env(**{var: value}), cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == f"syncwatch stack up: {says}", r.stderr
+
+
 @pytest.mark.skipif(shutil.which("prometheus-alertmanager") is None and shutil.which("alertmanager") is None,
                     reason="Alertmanager missing (Debian package: prometheus-alertmanager)")
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])

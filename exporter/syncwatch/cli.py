@@ -36,13 +36,28 @@ class EnvError:
         return self.raw
 
 
+# the value of a flag whose twin gave its default, until the command line gives the flag
+_NOT_GIVEN = object()
+
+
 class Parser(argparse.ArgumentParser):
     """Reports an ``EnvError`` only when its flag's command runs without the flag: a twin that two
     commands read differently (``SYNCWATCH_NODES``: ``project``'s list, ``jct``'s count) must not
-    stop the other command, nor ``--help``."""
+    stop the other command, nor ``--help``. Notes in ``from_env`` (flag -> twin) each flag whose
+    value its twin gave, for the errors about it (``named``)."""
 
     def parse_known_args(self, args=None, namespace=None):
+        from_twin = [a for a in self._actions if getattr(a, "twin", None)]
+        namespace = argparse.Namespace() if namespace is None else namespace
+        for action in from_twin:  # argparse puts no default where the namespace holds a value
+            if not hasattr(namespace, action.dest):
+                setattr(namespace, action.dest, _NOT_GIVEN)
         parsed, rest = super().parse_known_args(args, namespace)
+        from_env = vars(parsed).setdefault("from_env", {})  # a subcommand's parser filled it
+        for action in from_twin:
+            if getattr(parsed, action.dest) is _NOT_GIVEN:
+                setattr(parsed, action.dest, action.default)
+                from_env[action.option_strings[0]] = action.twin
         for value in vars(parsed).values():
             if isinstance(value, EnvError):
                 self.error(value.message)
@@ -59,18 +74,28 @@ def env_name(flag: str) -> str:
     return "SYNCWATCH_" + flag.lstrip("-").replace("-", "_").replace(".", "_").upper()
 
 
+def named(args: argparse.Namespace, flag: str) -> str:
+    """``flag`` as an error about its value names it: ``--udp``, or ``--udp (from SYNCWATCH_UDP)``
+    where the value came from its environment twin, which a user who never typed the flag must
+    be told of."""
+    env = getattr(args, "from_env", {}).get(flag)
+    return f"{flag} (from {env})" if env else flag
+
+
 def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kw) -> argparse.Action:
     """Add ``flag`` whose default can come from its environment twin (see ``env_name``).
 
     The help text names the twin and the default (where there is one), so ``--help`` documents
-    both. A twin that does not convert is reported by ``Parser`` once the flag's command runs.
+    both. A twin that does not convert is reported by ``Parser`` once the flag's command runs;
+    ``Parser`` notes one that gave the flag's value, for ``named``.
     ``empty_unset``: an empty twin counts as unset (``syncwatch-run``'s, as the ranks read them).
     """
     env = kw.pop("env", None) or env_name(flag)
     empty_unset = kw.pop("empty_unset", False)
     action = kw.get("action")
     boolean = action in ("store_true", argparse.BooleanOptionalAction)
-    if env in os.environ and not (empty_unset and os.environ[env] == ""):
+    from_twin = env in os.environ and not (empty_unset and os.environ[env] == "")
+    if from_twin:
         raw = os.environ[env]
         if boolean:
             low = raw.strip().lower()
@@ -81,7 +106,9 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kw) -> 
     # no default (None, "") is not printed: the help text says what happens without the flag
     shown = not boolean and kw.get("default") not in (None, "")
     suffix = f"[env {env}" + ("; default: %(default)s]" if shown else "]")
-    return parser.add_argument(flag, help=f"{help} {suffix}", **kw)
+    added = parser.add_argument(flag, help=f"{help} {suffix}", **kw)
+    added.twin = env if from_twin else None  # the twin that gave the default, for Parser
+    return added
 
 
 def _from_env(env: str, raw: str, conv, choices):

@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Sequence
 import yaml
 
 from . import promapi
-from .cli import add_flag
+from .cli import add_flag, named
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -411,24 +411,24 @@ def run_up(args: argparse.Namespace) -> int:
 
     # Checked here: Prometheus would only exit on them, after the stack had started around it.
     if not (math.isfinite(args.time_scale) and args.time_scale > 0):
-        print(f"syncwatch stack up: --time-scale must be a positive number, got {args.time_scale:g}",
-              file=sys.stderr)
+        print(f"syncwatch stack up: {named(args, '--time-scale')} must be a positive number, "
+              f"got {args.time_scale:g}", file=sys.stderr)
         return 2
     for flag, port in (("--prometheus-port", args.prometheus_port),
                        ("--alertmanager-port", args.alertmanager_port)):
         if not 0 <= port <= 65535:
-            print(f"syncwatch stack up: {flag} must be a port 0-65535 (0 = free), got {port}",
-                  file=sys.stderr)
+            print(f"syncwatch stack up: {named(args, flag)} must be a port 0-65535 (0 = free), "
+                  f"got {port}", file=sys.stderr)
             return 2
     if not args.scrape_interval or not PROMETHEUS_DURATION.fullmatch(args.scrape_interval):
-        print(f"syncwatch stack up: --scrape-interval {args.scrape_interval!r} is not a Prometheus "
-              f"duration (e.g. 5s, 1m, 1m30s)", file=sys.stderr)
+        print(f"syncwatch stack up: {named(args, '--scrape-interval')} {args.scrape_interval!r} "
+              f"is not a Prometheus duration (e.g. 5s, 1m, 1m30s)", file=sys.stderr)
         return 2
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     bad = [t for t in targets if not _host_port(t)]
     if bad or not targets:
-        print(f"syncwatch stack up: --targets {args.targets!r}: expected daemon host:port pairs, "
-              f"comma separated (e.g. 127.0.0.1:9477,node2:9477)", file=sys.stderr)
+        print(f"syncwatch stack up: {named(args, '--targets')} {args.targets!r}: expected daemon "
+              f"host:port pairs, comma separated (e.g. 127.0.0.1:9477,node2:9477)", file=sys.stderr)
         return 2
     work = Path(args.data_dir or tempfile.mkdtemp(prefix="sw-stack-"))
     servers: list[_Server] = []

@@ -314,16 +314,18 @@ def measurement(view: JobView, run_data: dict | None) -> Measurement:
     return measure_view(view)
 
 
-def _targets(text: str | None, n: int) -> list[int]:
+def _targets(args, n: int) -> list[int]:
+    text = args.nodes
     if not text:
         return [2 * n, 4 * n, 8 * n, 16 * n]
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise AnalysisError(f"--nodes {text!r}: expected comma-separated node counts") from None
+        raise AnalysisError(f"{cli.named(args, '--nodes')} {text!r}: expected comma-separated "
+                            "node counts") from None
     if not out or min(out) < n:  # the model extrapolates up: at 1 node a ring all-reduce is free
-        raise AnalysisError(f"--nodes: node counts must be at least the {n} measured (the "
-                            "projection runs from the measured scale up)")
+        raise AnalysisError(f"{cli.named(args, '--nodes')}: node counts must be at least the {n} "
+                            "measured (the projection runs from the measured scale up)")
     return out
 
 
@@ -373,14 +375,16 @@ def summary(res: dict) -> str:
 def run(args) -> int:
     for flag, value in (("--latency-us", args.latency_us), ("--congestion-exponent", args.congestion_exponent)):
         if not (math.isfinite(value) and value >= 0):
-            raise AnalysisError(f"{flag} must be a finite number ≥ 0 (got {value})")
+            raise AnalysisError(f"{cli.named(args, flag)} must be a finite number ≥ 0 "
+                                f"(got {value})")
     m = measurement(*view_from_args(args))
     if args.max_nodes is not None and args.max_nodes < m.nodes:
-        raise AnalysisError(f"--max-nodes {args.max_nodes} is below the {m.nodes} measured nodes "
-                            "(the sync-wall sweep runs from the measured node count up)")
+        raise AnalysisError(f"{cli.named(args, '--max-nodes')} {args.max_nodes} is below the "
+                            f"{m.nodes} measured nodes (the sync-wall sweep runs from the measured "
+                            "node count up)")
     o = Options(scaling=args.scaling, algorithm=args.algorithm, latency_us=args.latency_us,
                 congestion_exponent=args.congestion_exponent)
-    res = projection(m, _targets(args.nodes, m.nodes), o, args.max_nodes or 64 * m.nodes)
+    res = projection(m, _targets(args, m.nodes), o, args.max_nodes or 64 * m.nodes)
     if args.json:
         emit_json(res)
     else:

@@ -54,9 +54,11 @@ def add_source_flags(p) -> None:
 def view_from_args(args) -> tuple[JobView, dict | None]:
     """The job view, and the recorded run itself when read from ``--input``."""
     if args.window is not None and not (math.isfinite(args.window) and args.window > 0):
-        raise AnalysisError(f"--window must be a positive number of seconds (got {args.window})")
+        raise AnalysisError(f"{cli.named(args, '--window')} must be a positive number of seconds "
+                            f"(got {args.window})")
     if args.input and args.prometheus:
-        raise AnalysisError("give either --prometheus or --input, not both")
+        raise AnalysisError(f"give either {cli.named(args, '--prometheus')} or "
+                            f"{cli.named(args, '--input')}, not both")
     if args.input:
         run = recording.load(args.input)
         if args.job and args.job != run.get("job"):
@@ -102,8 +104,8 @@ def _empty_recording(args, run: dict, start: float | None, end: float | None) ->
 def prometheus_from_args(args) -> Prometheus:
     """The client the ``--prometheus*`` flags describe; credentials are read from their files."""
     if not (math.isfinite(args.prometheus_timeout) and args.prometheus_timeout > 0):
-        raise AnalysisError(f"--prometheus-timeout must be a positive number of seconds "
-                            f"(got {args.prometheus_timeout})")
+        raise AnalysisError(f"{cli.named(args, '--prometheus-timeout')} must be a positive number "
+                            f"of seconds (got {args.prometheus_timeout})")
     # an environment twin set to "" counts as not given
     token_file = args.prometheus_bearer_token_file or None
     user, password_file = args.prometheus_basic_auth_user or None, args.prometheus_basic_auth_password_file or None

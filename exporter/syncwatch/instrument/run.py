@@ -23,7 +23,7 @@ import math
 import os
 import sys
 
-from ..cli import Parser, add_flag as _add_flag, plain
+from ..cli import Parser, add_flag as _add_flag, named, plain
 from ..sender import DEFAULT_SOCKET, check_unix_path, parse_udp
 from ..skew import EXCHANGE_SECONDS
 from . import DEFAULT_EXCHANGE_EVERY, DEFAULT_HEARTBEAT_SECONDS
@@ -98,24 +98,27 @@ def _bad_option(args) -> str | None:
     """What is wrong with the options, checked before the command runs: every rank would
     otherwise print a traceback and train unmonitored (a bad ``--udp``), drop every record (a
     ``--socket`` path too long for a Unix socket), or quietly run without heartbeats or the
-    exchange (a heartbeat of 0, a negative K)."""
+    exchange (a heartbeat of 0, a negative K). A value from a variable is told with its name."""
     if args.socket and not _udp(args):  # the ranks send over UDP where it is set
         try:
             check_unix_path(args.socket)
         except ValueError as e:
-            return f"--socket: {e}"
+            return f"{named(args, '--socket')}: {e}"
     if _udp(args) is not None:
         try:
             parse_udp(args.udp)
         except ValueError as e:
-            return f"--udp: {e}"
+            return f"{named(args, '--udp')}: {e}"
     if args.heartbeat is not None and not (math.isfinite(args.heartbeat) and args.heartbeat > 0):
-        return f"--heartbeat must be a positive number of seconds, got {args.heartbeat:g}"
+        return (f"{named(args, '--heartbeat')} must be a positive number of seconds, "
+                f"got {args.heartbeat:g}")
     if args.skew_every is not None and args.skew_every < 0:
-        return f"--skew-every must be 0 (off) or a number of steps, got {args.skew_every}"
+        return (f"{named(args, '--skew-every')} must be 0 (off) or a number of steps, "
+                f"got {args.skew_every}")
     # not NaN, not negative; inf keeps windows of K, as the ranks read SYNCWATCH_SKEW_SECONDS=inf
     if args.skew_seconds is not None and not args.skew_seconds >= 0:
-        return f"--skew-seconds must be 0, a positive number or inf, got {args.skew_seconds:g}"
+        return (f"{named(args, '--skew-seconds')} must be 0, a positive number or inf, "
+                f"got {args.skew_seconds:g}")
     return None
 
 

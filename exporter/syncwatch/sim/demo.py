@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 
-from ..cli import add_flag, plain
+from ..cli import add_flag, named, plain
 from ..protocol import LABEL_RE
 from .driver import MAX_RANKS_PER_NODE, GroundTruth, node_name
 from .model import ABLATIONS, Params, format_sweep, scaling_sweep
@@ -133,7 +133,8 @@ def _stop_signals_interrupt():
 
 def main(args) -> int:
     if args.ranks_per_node < 1:  # before scaling's sweep, which uses it too
-        print("syncwatch demo: --ranks-per-node must be at least 1", file=sys.stderr)
+        print(f"syncwatch demo: {named(args, '--ranks-per-node')} must be at least 1",
+              file=sys.stderr)
         return 2
     if args.scenario == "scaling":
         print("Step-time CV against cluster size (model only, 8 ranks per node unless "
@@ -145,35 +146,37 @@ def main(args) -> int:
                                              params=Params(**changes)), digits=4))
         return 0
     if args.ablations:
-        print("syncwatch demo: --ablations goes with --scenario scaling", file=sys.stderr)
+        print(f"syncwatch demo: {named(args, '--ablations')} goes with --scenario scaling",
+              file=sys.stderr)
         return 2
     if args.ranks_per_node > MAX_RANKS_PER_NODE:
-        print(f"syncwatch demo: --ranks-per-node must be at most {MAX_RANKS_PER_NODE}: each "
-              f"simulated rank reports its local rank as its GPU index, which the protocol "
-              f"bounds", file=sys.stderr)
+        print(f"syncwatch demo: {named(args, '--ranks-per-node')} must be at most "
+              f"{MAX_RANKS_PER_NODE}: each simulated rank reports its local rank as its GPU "
+              f"index, which the protocol bounds", file=sys.stderr)
         return 2
     if args.nodes < 1 or not 0 < args.step_time < math.inf:
-        print("syncwatch demo: --nodes and --step-time must be positive (and finite)",
-              file=sys.stderr)
+        print(f"syncwatch demo: {named(args, '--nodes')} and {named(args, '--step-time')} must "
+              f"be positive (and finite)", file=sys.stderr)
         return 2
     try:  # a step time the protocol refuses: every step record rejected, the truth counting it
         scenario_params(args.scenario, args.nodes, args.ranks_per_node,
                         compute_seconds=args.step_time)
     except ValueError as e:
-        print(f"syncwatch demo: --step-time {args.step_time:g}: {e}", file=sys.stderr)
-        return 2
-    if not (0 <= args.duration < math.inf and 0 < args.summary_every < math.inf):
-        print("syncwatch demo: --duration must be >= 0 and --summary-every positive (finite)",
+        print(f"syncwatch demo: {named(args, '--step-time')} {args.step_time:g}: {e}",
               file=sys.stderr)
         return 2
+    if not (0 <= args.duration < math.inf and 0 < args.summary_every < math.inf):
+        print(f"syncwatch demo: {named(args, '--duration')} must be >= 0 and "
+              f"{named(args, '--summary-every')} positive (finite)", file=sys.stderr)
+        return 2
     if args.base_port and not (0 < args.base_port and args.base_port + args.nodes - 1 <= 65535):
-        print(f"syncwatch demo: --base-port {args.base_port} with {args.nodes} nodes needs ports "
-              f"{args.base_port}..{args.base_port + args.nodes - 1}: each must be 1 to 65535 "
-              f"(or 0: any free port)", file=sys.stderr)
+        print(f"syncwatch demo: {named(args, '--base-port')} {args.base_port} with {args.nodes} "
+              f"nodes needs ports {args.base_port}..{args.base_port + args.nodes - 1}: each must "
+              f"be 1 to 65535 (or 0: any free port)", file=sys.stderr)
         return 2
     if args.job and not LABEL_RE.fullmatch(args.job):
-        print(f"syncwatch demo: --job {args.job!r} is not a train_job label: 1 to 128 of "
-              f"A-Z a-z 0-9 _ . : @ / + = -", file=sys.stderr)
+        print(f"syncwatch demo: {named(args, '--job')} {args.job!r} is not a train_job label: "
+              f"1 to 128 of A-Z a-z 0-9 _ . : @ / + = -", file=sys.stderr)
         return 2
     with _stop_signals_interrupt():
         return _run(args)
