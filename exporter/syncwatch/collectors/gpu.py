@@ -394,8 +394,8 @@ class GpuCollector:
 
         An init error on such a node (``UNKNOWN``, ``IRQ_ISSUE``, ...) reads the same, and
         ``update`` reports it as the collector error it is: raised, it served the last snapshot
-        (up 1) for 15 s, then no GPU series at all. Not a ``_DaemonFault``: its GPUs are most
-        likely fine, and ``update`` withdraws their series instead."""
+        (up 1) until stale (17 s), then no GPU series at all. Not a ``_DaemonFault``: its GPUs
+        are most likely fine, and ``update`` withdraws their series instead."""
         up = _up_family()
         known = self._known_by_index()
         for uuid, i in known:
