@@ -254,6 +254,20 @@ def test_a_range_far_longer_than_the_job_does_not_clear_it():
     assert not any("windows of" in n for n in own.notes)
 
 
+def test_a_range_too_short_for_four_windows_is_told_to_widen():
+    """A range the job ran through whole, cut into 3 windows (as --start now-70s reads a job of
+    0.12 s steps, whose windows span four skew-exchange periods: 23 s), advised to "narrow --start
+    and --end to the job", which leaves fewer windows still: it now says to widen the range."""
+    run = recorded("healthy")
+    first, last = run["steps"][0]["t"], run["steps"][-1]["t"] + run["steps"][-1]["seconds"]
+    short = diagnose(recording.to_view(run, "test", first, last, min_window=(last - first) / 3))
+    assert short.healthy and short.steps >= 100
+    assert short.verdict == ("no structural problem found in what could be assessed: the job ran through 3 of "
+                             "the range's windows, too few for fabric contention: widen the range")
+    assert any(n.startswith("the job ran through 3 of the range's 3 windows of ")
+               and n.endswith("were not assessed; widen the range") for n in short.notes), short.notes
+
+
 def _without_skew_exchange(v):
     """The view as Prometheus gives it with the exact skew exchange off: no slack, no last arrivals."""
     for name in ("slack_seconds", "last_arrivals"):

@@ -89,6 +89,7 @@ class Diagnosis:
     notes: list[str]
     estimated: list[str] = field(default_factory=list)  # scores estimated from mean waits (K = 0)
     job_windows: int = FEW_WINDOWS  # windows the job ran through (those with a collective time)
+    windows: int = FEW_WINDOWS      # windows of the range
 
     @property
     def healthy(self) -> bool:
@@ -104,7 +105,7 @@ class Diagnosis:
         if self.job_windows < FEW_WINDOWS:
             return (f"no structural problem found in what could be assessed: the job ran through "
                     f"{self.job_windows} of the range's windows, too few for fabric contention: "
-                    "narrow --start and --end to the job")
+                    + _fewer_windows_advice(self.windows))
         if self.estimated:
             return ("no structural problem found in what could be measured: without the skew exchange, "
                     "transient jitter and a straggling node that moves between nodes are not ruled out")
@@ -575,6 +576,14 @@ def detect_restarts(v: JobView, s: dict, th: Thresholds) -> list[Finding]:
         options=options, confidence=0.9 if restarts >= 2 else 0.7)]
 
 
+def _fewer_windows_advice(windows: int) -> str:
+    """What gives the job more windows: a range of fewer than ``FEW_WINDOWS`` is too short (its
+    windows cannot get narrower than their least width), a longer one too wide for the job."""
+    if windows < FEW_WINDOWS:
+        return "widen the range"
+    return "narrow --start and --end to the job"
+
+
 def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
     s = scores(v)
     notes = [n for n in (v.warnings_note(),) if n]
@@ -590,7 +599,7 @@ def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
     if job_windows < FEW_WINDOWS:
         notes.append(f"the job ran through {job_windows} of the range's {plural(len(v.times), 'window')} of "
                      f"{v.window:.0f} s: fabric contention and topology mismatch need {FEW_WINDOWS} and "
-                     "were not assessed; narrow --start and --end to the job")
+                     "were not assessed; " + _fewer_windows_advice(len(v.times)))
     exact = v.has_exact()
     if not exact:
         notes.append("no slack / last-arrival counters (exact skew exchange off): slack, coupling and last "
@@ -624,7 +633,8 @@ def diagnose(v: JobView, th: Thresholds = Thresholds()) -> Diagnosis:
     found.sort(key=lambda f: -f.confidence)
     return Diagnosis(job=v.job, source=v.source, start=v.start, end=v.end, ranks=len(v.rank_node),
                      nodes=len(v.nodes), steps=s["steps"], scores=s, findings=found, notes=notes,
-                     estimated=[] if v.has_exact() else list(ESTIMATED_SCORES), job_windows=job_windows)
+                     estimated=[] if v.has_exact() else list(ESTIMATED_SCORES), job_windows=job_windows,
+                     windows=len(v.times))
 
 
 # ---------------------------------------------------------------- CLI
