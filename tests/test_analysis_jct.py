@@ -320,6 +320,15 @@ def test_bad_config_file_exits_2(tmp_path, monkeypatch, capsys):
     bad.write_bytes(b"\x7fELF\x02\x01\x01\x00\xff\xfe")  # a binary: a UnicodeDecodeError traceback
     code, _, err = run_cli(monkeypatch, capsys, ["jct", "--config", str(bad)])
     assert code == 2 and "is not a text file" in err and "Traceback" not in err
+    # a YAML error printed its own five lines: the line at fault, a caret, the parser's context
+    bad.write_text("nodes: [1\n")
+    code, _, err = run_cli(monkeypatch, capsys, ["jct", "--config", str(bad)])
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"syncwatch jct: error: --config {bad} is not valid YAML/JSON: expected ',' or ']'")
+    assert err.endswith("(line 2, column 1)\n"), err
+    bad.write_text("nodes: 4\x00\n")
+    code, _, err = run_cli(monkeypatch, capsys, ["jct", "--config", str(bad)])
+    assert code == 2 and err.count("\n") == 1 and "special characters are not allowed" in err, err
     # a count as a fraction or a boolean was truncated (128.5 nodes -> 128, true -> 1)
     for text, message in (("nodes: 128.5\n", "nodes: 128.5 is not an integer"),
                           ("nodes: true\n", "nodes: True is not an integer")):

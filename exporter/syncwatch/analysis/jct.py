@@ -472,8 +472,11 @@ def load_config(path: str) -> dict:
         raise AnalysisError(f"--config {path} is not a text file (YAML or JSON)") from None
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise AnalysisError(f"--config {path} is not valid YAML/JSON: {e}") from None
+    except yaml.YAMLError as e:  # on one line: str(e) quotes the line at fault and a caret under it
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise AnalysisError(f"--config {path} is not valid YAML/JSON: {problem}{where}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
