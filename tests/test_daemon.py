@@ -952,6 +952,25 @@ def test_a_bad_address_is_shown_an_example_of_its_own_flag(flags, says):
     assert (r.returncode, r.stderr) == (2, f"syncwatch daemon: {says}\n")
 
 
+@pytest.mark.parametrize("twin, value, says", [
+    ("SYNCWATCH_UDP", "x", "--udp (from SYNCWATCH_UDP): udp must look like 127.0.0.1:9478, got 'x'"),
+    ("SYNCWATCH_LISTEN", "10.0.0.5", "--listen (from SYNCWATCH_LISTEN): listen must look like "
+                                     "127.0.0.1:9477, got '10.0.0.5'"),
+    ("SYNCWATCH_WINDOW", "1", "--window (from SYNCWATCH_WINDOW): window must be at least 3 steps, got 1"),
+    ("SYNCWATCH_LOG_LEVEL", "verbose", "--log-level (from SYNCWATCH_LOG_LEVEL) must be debug, info, "
+                                       "warning or error, got 'verbose'"),
+])
+def test_a_bad_value_from_a_twin_names_the_twin(twin, value, says):
+    """Set in /etc/default/syncwatch (the systemd unit's settings) or a pod's environment, a bad
+    value was told as "udp must look like ...", naming no variable and no flag, and a bad log
+    level as logging's "Unknown level: 'VERBOSE'". The README says an error about a value that
+    came from a twin names it."""
+    flags = ("--socket", "") if twin == "SYNCWATCH_LISTEN" else ("--listen", "127.0.0.1:0", "--socket", "")
+    r = subprocess.run(_daemon_cmd(*flags), env=subprocess_env(**{twin: value}),
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stderr) == (2, f"syncwatch daemon: {says}\n")
+
+
 def test_env_twins_configure_the_daemon(sock_path):
     import argparse
 

@@ -10,7 +10,7 @@ import sys
 from typing import Sequence
 
 from .. import collectors
-from ..cli import add_flag
+from ..cli import add_flag, named
 from .app import start_daemon
 from .config import DaemonConfig
 
@@ -44,9 +44,20 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
-    return DaemonConfig(listen=args.listen, socket=args.socket or None, udp=args.udp or None,
-                        window=args.window, rank_ttl=args.rank_ttl, job_grace=args.job_grace,
-                        max_ranks=args.max_ranks, max_jobs=args.max_jobs)
+    """The daemon's settings; a value its environment twin gave that ``DaemonConfig`` refuses
+    is told with the twin's name (``--udp (from SYNCWATCH_UDP): udp must look like ...``): set
+    in /etc/default/syncwatch or a pod spec, no flag of it is on the command line."""
+    values = dict(listen=args.listen, socket=args.socket or None, udp=args.udp or None,
+                  window=args.window, rank_ttl=args.rank_ttl, job_grace=args.job_grace,
+                  max_ranks=args.max_ranks, max_jobs=args.max_jobs)
+    for field, value in values.items():
+        flag = "--" + field.replace("_", "-")
+        if flag in getattr(args, "from_env", {}):
+            try:  # the field's own checks, the others at their defaults
+                DaemonConfig(**{"socket": None, field: value})
+            except ValueError as e:
+                raise ValueError(f"{named(args, flag)}: {e}") from None
+    return DaemonConfig(**values)
 
 
 async def serve(config: DaemonConfig, extra_collectors: Sequence = ()) -> None:
@@ -70,8 +81,12 @@ def run(args: argparse.Namespace, extra_collectors: Sequence = ()) -> int:
     # 5 ms) lets a reader woken by a datagram in sooner while a large scrape renders.
     sys.setswitchinterval(0.001)
     try:
-        logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:
+            logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                                format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        except ValueError:  # logging's own words: "Unknown level: 'VERBOSE'"
+            raise ValueError(f"{named(args, '--log-level')} must be debug, info, warning or error, "
+                             f"got {args.log_level!r}") from None
         config = config_from_args(args)
         runner = collectors.runner_from_args(args)  # hardware collectors; None when all are off
         asyncio.run(serve(config, [*extra_collectors, *([runner] if runner else [])]))
