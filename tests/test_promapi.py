@@ -244,6 +244,21 @@ def test_analysis_flags_send_a_token_and_the_errors_say_what_to_change(canned, t
     assert len(srv.requests) == 3   # the invalid flags were refused before asking Prometheus
 
 
+def test_a_url_that_is_no_prometheus_api_says_what_to_give(canned, monkeypatch, capsys):
+    """--prometheus pointed at a node daemon (the demo prints its scrape URLs) or given with
+    /api/v1 appended read "answered HTTP 404 to /api/v1/query: 404: Not Found", which did not
+    say that the URL was the wrong one, nor which URL to give."""
+    srv, client = canned
+    srv.answer = (404, "text/plain", b"404: Not Found")
+    for url in (client.url, client.url + "/metrics", client.url + "/api/v1"):
+        code, out, err = run_cli(monkeypatch, capsys, ["diagnose", "--prometheus", url, "--job", "j"])
+        assert code == 2 and not out and len(err.splitlines()) == 1, err
+        assert err == (f"syncwatch diagnose: error: Prometheus at {url} answered HTTP 404 to /api/v1/query: "
+                       "404: Not Found; there is no Prometheus API at that URL: --prometheus takes "
+                       "Prometheus' base URL (e.g. http://127.0.0.1:9090, with its route prefix if it has "
+                       "one), not a node daemon's /metrics nor a path under /api/v1\n")
+
+
 def test_a_url_without_scheme_is_refused_up_front():
     with pytest.raises(promapi.PrometheusError, match="'127.0.0.1:9090': expected an http:// or https:// URL"):
         promapi.Client("127.0.0.1:9090")

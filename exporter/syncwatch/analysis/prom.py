@@ -2,7 +2,8 @@
 
 Requests go through ``syncwatch.promapi``; its errors become ``AnalysisError`` (exit code 2) with
 the message naming the URL and what went wrong, so every command reports "Prometheus unreachable"
-the same way; a timeout and an HTTP 401/403 also say which flag to change. The answers' warnings
+the same way; a timeout, an HTTP 401/403 and a 404 (no Prometheus API at the URL) also say which
+flag to change. The answers' warnings
 (partial answers) are kept in ``warnings`` for the commands to note.
 """
 
@@ -37,7 +38,7 @@ class Prometheus:
             raise AnalysisError(f"{e}; a slow query over a long range may need a longer "
                                 "--prometheus-timeout") from None
         except promapi.HTTPStatusError as e:
-            raise AnalysisError(f"{e}{self._auth_hint(e.code)}") from None
+            raise AnalysisError(f"{e}{self._hint(e.code)}") from None
         except promapi.PrometheusError as e:
             raise AnalysisError(str(e)) from None
 
@@ -46,8 +47,12 @@ class Prometheus:
         """The distinct warnings of the answers so far (a partial answer, from Thanos or Mimir)."""
         return self.client.warnings
 
-    def _auth_hint(self, code: int) -> str:
+    def _hint(self, code: int) -> str:
         given = self.client.authorization is not None
+        if code == 404:  # Prometheus answers every /api/v1 query path: the URL points elsewhere
+            return ("; there is no Prometheus API at that URL: --prometheus takes Prometheus' base URL "
+                    "(e.g. http://127.0.0.1:9090, with its route prefix if it has one), not a node "
+                    "daemon's /metrics nor a path under /api/v1")
         if code == 401:
             return ("; the credentials given were not accepted" if given
                     else f"; it asks for credentials: {_GIVE_CREDENTIALS}")
