@@ -159,3 +159,11 @@ def test_agent_and_ruler_remote_write_into_victoriametrics(tmp_path, victoria, f
     finally:
         codes = [s.stop() for s in servers]
     assert codes == [0, 0], "Prometheus did not stop cleanly"
+
+
+def test_deploy_md_shows_the_agent_flag_of_this_prometheus():
+    """deploy.md showed only ``prometheus --agent``, a flag Prometheus 2.x does not know
+    (``unknown long flag '--agent'`` from Debian 12's 2.42): the rack agent's command line for
+    the installed Prometheus must be among the documented ones."""
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    assert f"prometheus {agent_flag()} --config.file=prometheus-agent.yml" in docs
