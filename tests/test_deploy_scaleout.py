@@ -2,9 +2,9 @@
 
 The agent runs the shipped ``prometheus-agent.yml`` (only the TSDB URL and the intervals are
 changed); its raw syncwatch series must come back out of VictoriaMetrics with the rack label.
-Agent mode evaluates no rules, and vmalert (the VictoriaMetrics ruler of the production setup)
-is not packaged in Debian, so a server-mode Prometheus stands in for the ruler: it evaluates the
-shipped recording rules over the same daemon and remote-writes the results with the agent's
+Agent mode evaluates no rules. vmalert (the VictoriaMetrics ruler of the production setup, in
+Debian's victoria-metrics package) is run only to parse the shipped rule files; a server-mode
+Prometheus stands in for the ruler's evaluation: it evaluates the shipped recording rules over the same daemon and remote-writes the results with the agent's
 remote_write settings; a recording rule's series must come back out of VictoriaMetrics too.
 """
 
@@ -26,6 +26,7 @@ from syncwatch.stack import free_port, http_get
 
 VM = shutil.which("victoria-metrics")
 PROMETHEUS = shutil.which("prometheus")
+VMALERT = shutil.which("vmalert")
 pytestmark = [
     pytest.mark.skipif(not VM, reason="victoria-metrics (Debian package victoria-metrics) is not installed"),
     pytest.mark.skipif(not PROMETHEUS, reason="prometheus (Debian package prometheus) is not installed"),
@@ -167,3 +168,12 @@ def test_deploy_md_shows_the_agent_flag_of_this_prometheus():
     the installed Prometheus must be among the documented ones."""
     docs = (ROOT / "docs" / "deploy.md").read_text()
     assert f"prometheus {agent_flag()} --config.file=prometheus-agent.yml" in docs
+
+
+@pytest.mark.skipif(not VMALERT, reason="vmalert (Debian package victoria-metrics) is not installed")
+def test_vmalert_accepts_the_shipped_rules():
+    """The scale-out ruler loads alerts/*.rules.yml as they are (deploy/scale-out/docker-compose.yml):
+    vmalert parses every expression (MetricsQL) and annotation template of them."""
+    result = subprocess.run([VMALERT, f"-rule={ROOT / 'alerts'}/*.rules.yml", "-dryRun",
+                             "-loggerLevel=ERROR"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
