@@ -959,13 +959,17 @@ def test_a_bad_address_is_shown_an_example_of_its_own_flag(flags, says):
     ("SYNCWATCH_WINDOW", "1", "--window (from SYNCWATCH_WINDOW): window must be at least 3 steps, got 1"),
     ("SYNCWATCH_LOG_LEVEL", "verbose", "--log-level (from SYNCWATCH_LOG_LEVEL) must be debug, info, "
                                        "warning or error, got 'verbose'"),
+    ("SYNCWATCH_SOCKET", "/tmp/" + "x" * 120, "--socket (from SYNCWATCH_SOCKET): socket path /tmp/"
+                                              + "x" * 120 + " is 125 bytes; a Unix socket path has "
+                                              "at most 107: choose a shorter one"),
 ])
 def test_a_bad_value_from_a_twin_names_the_twin(twin, value, says):
     """Set in /etc/default/syncwatch (the systemd unit's settings) or a pod's environment, a bad
     value was told as "udp must look like ...", naming no variable and no flag, and a bad log
     level as logging's "Unknown level: 'VERBOSE'". The README says an error about a value that
     came from a twin names it."""
-    flags = ("--socket", "") if twin == "SYNCWATCH_LISTEN" else ("--listen", "127.0.0.1:0", "--socket", "")
+    flags = {"SYNCWATCH_LISTEN": ("--socket", ""), "SYNCWATCH_SOCKET": ("--listen", "127.0.0.1:0")
+             }.get(twin, ("--listen", "127.0.0.1:0", "--socket", ""))
     r = subprocess.run(_daemon_cmd(*flags), env=subprocess_env(**{twin: value}),
                        capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stderr) == (2, f"syncwatch daemon: {says}\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..sender import UDP_EXAMPLE, parse_address  # the ranks' rules for SYNCWATCH_UDP, which both read
+from ..sender import UDP_EXAMPLE, check_unix_path, parse_address  # the ranks' rules, which both read
 
 DEFAULT_LISTEN = "127.0.0.1:9477"
 
@@ -41,5 +41,7 @@ class DaemonConfig:
         if self.max_ranks < 1 or self.max_jobs < 1:
             raise ValueError("max_ranks and max_jobs must be at least 1")
         parse_listen(self.listen)
+        if self.socket:
+            check_unix_path(self.socket)
         if self.udp:
             parse_daemon_udp(self.udp)
