@@ -2923,6 +2923,27 @@ def test_register_refuses_a_model_that_is_not_ddp(rx, caplog):
         m.shutdown()
 
 
+def test_register_tells_a_refused_model_in_one_line(rx, caplog):
+    """Registering the module inside DDP, a common slip, was told twice per rank, each time
+    with a traceback through syncwatch's own code: "could not register ..." and then the
+    monitor's "internal error (counted, training continues)", which reads as a syncwatch bug."""
+    torch = pytest.importorskip("torch")
+    import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
+    m = make_monitor(rx)
+    _state.set_monitor(m)
+    try:
+        sw.register(torch.nn.Linear(2, 2), collectives=False)
+        assert m.errors == 1 and len(caplog.records) == 1
+        assert caplog.records[0].getMessage() == (
+            "syncwatch: could not register the model's gradient wait: neither a "
+            "DistributedDataParallel nor an FSDP model: Linear")
+        assert caplog.records[0].exc_info is None
+    finally:
+        _state.set_monitor(None)
+        m.shutdown()
+
+
 def test_register_watches_the_ddp_model_inside_torch_compile(rx, ddp_world1, caplog):
     """``torch.compile(DDP(model))``, the order torch recommends, is an ``OptimizedModule``: it
     was refused as "not DDP", so the job had no gradient wait, and, the error raised before the

@@ -301,21 +301,27 @@ def register(model=None, *, hook=None, state=None, collectives: bool = True) -> 
             if not collectives and hooks.is_fsdp(getattr(model, "_orig_mod", model)):
                 log.warning("syncwatch: an FSDP model's waits are its collectives': with "
                             "collectives=False none of them is measured")
-    except Exception:
-        _register_failed("the model's gradient wait")
+    except Exception as e:
+        _register_failed("the model's gradient wait", e)
     try:  # apart: a model that could not be watched still leaves the collectives to wrap
         if collectives:
             h = hooks.patch_collectives()
             handle.add(h.remove)
-    except Exception:
-        _register_failed("the collective wrappers")
+    except Exception as e:
+        _register_failed("the collective wrappers", e)
     return handle
 
 
-def _register_failed(what: str) -> None:
-    log.warning("syncwatch: could not register %s", what, exc_info=True)
+def _register_failed(what: str, exc: Exception) -> None:
+    """Logged once, here, and counted: a refused model in one line, anything else with its
+    traceback (the monitor's log of its first error told it a second time)."""
+    from .hooks import Refused
+    if isinstance(exc, Refused):
+        log.warning("syncwatch: could not register %s: %s", what, exc)
+    else:
+        log.warning("syncwatch: could not register %s", what, exc_info=exc)
     if _state.monitor is not None:
-        _state.monitor._error()
+        _state.monitor._error(exc, logged=True)
 
 
 def shutdown(reason: str = "completed") -> None:

@@ -50,6 +50,10 @@ WATCHED_PARAMETERS = 8  # hooked, where DDP allows unused parameters, so that at
 BUCKET_COUNT_READS = 3  # DDP rebuilds its buckets once, after its first iteration
 
 
+class Refused(TypeError):
+    """A model ``register()`` does not take as given: the script's mistake, told in one line."""
+
+
 class Handle:
     """What a registration attached; ``remove()`` detaches all of it (idempotent).
 
@@ -100,7 +104,7 @@ def watch_gradients(model) -> Handle:
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel):
-        raise TypeError(f"neither a DistributedDataParallel nor an FSDP model: "
+        raise Refused(f"neither a DistributedDataParallel nor an FSDP model: "
                         f"{type(model).__name__}")
     handle = Handle()
     if getattr(model, "_syncwatch_watched", False):
@@ -224,7 +228,7 @@ def register_model(model, hook=None, state=None) -> Handle:
     model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
     if is_fsdp(model):
         if hook is not None:
-            raise TypeError("ddp_hook_wrapper wraps DDP comm hooks, not FSDP's: register an FSDP "
+            raise Refused("ddp_hook_wrapper wraps DDP comm hooks, not FSDP's: register an FSDP "
                             "model without hook=")
         return Handle()
     if hook is None:

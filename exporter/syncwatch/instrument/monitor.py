@@ -770,12 +770,13 @@ class Monitor:
         finally:
             self.sender.close()
 
-    def _error(self, exc: BaseException | None = None) -> None:
-        """Count an internal error (``exc``, or the one being handled); log the first."""
+    def _error(self, exc: BaseException | None = None, logged: bool = False) -> None:
+        """Count an internal error (``exc``, or the one being handled); log the first, unless
+        the caller ``logged`` it."""
         with self._errors_lock:  # the hot path's threads and the records thread all count
             self.errors += 1
             first = self.errors == 1
-        if first:
+        if first and not logged:
             log.warning("syncwatch: internal error (counted, training continues)",
                         exc_info=exc if exc is not None else True)
 
