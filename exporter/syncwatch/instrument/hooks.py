@@ -105,7 +105,7 @@ def watch_gradients(model) -> Handle:
 
     if not isinstance(model, DistributedDataParallel):
         raise Refused(f"neither a DistributedDataParallel nor an FSDP model: "
-                        f"{type(model).__name__}")
+                      f"{type(model).__name__}")
     handle = Handle()
     if getattr(model, "_syncwatch_watched", False):
         return handle
@@ -229,7 +229,7 @@ def register_model(model, hook=None, state=None) -> Handle:
     if is_fsdp(model):
         if hook is not None:
             raise Refused("ddp_hook_wrapper wraps DDP comm hooks, not FSDP's: register an FSDP "
-                            "model without hook=")
+                          "model without hook=")
         return Handle()
     if hook is None:
         return watch_gradients(model)
