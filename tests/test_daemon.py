@@ -447,6 +447,20 @@ def test_a_weight_of_zero_refuses_a_format_or_gzip(daemon, client, zero):
         assert gzip.decompress(r.read()).startswith(b"# HELP")
 
 
+@pytest.mark.parametrize("version", ["x", "1.x", "1.0.0.x"])
+def test_an_openmetrics_version_that_is_not_numbers_gets_text(daemon, client, version):
+    """prometheus_client compares the version's parts as numbers: ``version=1.x`` raised in the
+    scrape handler (a 500 and a traceback in the log at every scrape); ``1.0.0.x`` was echoed
+    back in the Content-Type. Such a type is not one the daemon can serve: the text format."""
+    _full_exposition(daemon, client)
+    ctype, _, body = _get(daemon.url, f"application/openmetrics-text;version={version}")
+    assert ctype.startswith("text/plain") and body.startswith("# HELP")
+    ctype, _, body = _get(daemon.url, f"application/openmetrics-text;version={version}, "
+                                      f"application/openmetrics-text;version=1.0.0")
+    assert ctype.startswith("application/openmetrics-text; version=1.0.0")
+    assert body.endswith("# EOF\n")
+
+
 def test_series_per_rank_within_budget_at_64_ranks(daemon, client):
     _full_exposition(daemon, client, ranks=64)
     m = scrape(daemon.url)

@@ -44,6 +44,7 @@ EXPIRE_EVERY = 1.0  # seconds between liveness sweeps (also done at every scrape
 
 
 _NOT_ACCEPTABLE = re.compile(r"q=0(\.0{0,3})?", re.IGNORECASE)
+_VERSION = re.compile(r"(\d+(\.\d+)*)?")  # empty: none given
 
 
 def _accepted(header: str) -> list[list[str]]:
@@ -59,8 +60,11 @@ def _accepted(header: str) -> list[list[str]]:
 
 def _encoder_accept(accept: str) -> str:
     """What ``choose_encoder`` is given: "" (the text format) unless the Accept header accepts
-    media types and none of them is text/plain or */*; then the ones it accepts."""
-    elements = _accepted(accept)
+    media types and none of them is text/plain or */*; then the ones it accepts, less those whose
+    version is not numbers (``choose_encoder`` compares the parts as numbers: ``version=1.x``
+    raised, a 500)."""
+    elements = [e for e in _accepted(accept)
+                if all(_VERSION.fullmatch(f[8:]) for f in e[1:] if f.startswith("version="))]
     if not elements or any(e[0].lower() in ("text/plain", "*/*", "text/*") for e in elements):
         return ""
     return ",".join(";".join(e) for e in elements)
