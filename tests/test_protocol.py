@@ -145,6 +145,25 @@ def test_bad_identity(fixed, strings):
     assert reason_of(_with_identity(fixed, strings)) == "bad_identity"
 
 
+@pytest.mark.parametrize("fixed,strings,message", [
+    ((4, 0, 4, 0, -1, 1, 9), (b"job", b"node", b""), "rank 4 is not within 0..world_size - 1"),
+    ((0, 0, 0, 0, -1, 1, 9), (b"job", b"node", b""), "world_size 0 is not within 1..2**20"),
+    ((0, 5000, 4, 0, -1, 1, 9), (b"job", b"node", b""), "local_rank 5000 is not within 0..4095"),
+    ((0, 0, 4, -2, -1, 1, 9), (b"job", b"node", b""), "attempt -2 is not within 0..2**20 - 1"),
+    ((0, 0, 4, 0, -2, 1, 9), (b"job", b"node", b""), "gpu -2 is not within -1..1023"),
+    ((0, 0, 4, 0, -1, 0, 9), (b"job", b"node", b""), "pid 0 is not within 1..2**32 - 1"),
+    ((0, 0, 4, 0, -1, 1, 9), (b"job", b"\xff\xfe", b""), "node b'\\xff\\xfe' is not UTF-8"),
+    ((0, 0, 4, 0, -1, 1, 9), (b"job", b"node", b"GPU-\xc3"), "gpu_uuid b'GPU-\\xc3' is not UTF-8"),
+])
+def test_a_bad_identity_names_its_field(fixed, strings, message):
+    """Its log line said "numbers out of range: Identity(...)" or "label value is not UTF-8":
+    which of the numbers, or of the three labels, was left to guess."""
+    with pytest.raises(ProtocolError) as e:
+        Decoder().decode(_with_identity(fixed, strings))
+    assert e.value.reason == "bad_identity"
+    assert e.value.detail.startswith(message), e.value.detail
+
+
 def test_valid_crafted_identity_decodes():
     rec = Decoder().decode(_with_identity((0, 0, 4, 0, -1, 1, 9), (b"j" * 128, b"node", b"")))
     assert rec.identity.train_job == "j" * 128

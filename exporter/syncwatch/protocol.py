@@ -260,7 +260,16 @@ def _check_identity(i: Identity) -> None:
     if not (1 <= i.world_size <= MAX_WORLD and 0 <= i.rank < i.world_size
             and 0 <= i.local_rank < MAX_LOCAL_RANK and 0 <= i.attempt < MAX_ATTEMPT
             and -1 <= i.gpu < MAX_GPU and 0 < i.pid < 1 << 32 and 0 <= i.nonce < 1 << 32):
-        raise ProtocolError("bad_identity", f"numbers out of range: {i!r}")
+        raise ProtocolError("bad_identity", _first_failed((
+            (1 <= i.world_size <= MAX_WORLD, f"world_size {i.world_size} is not within 1..2**20"),
+            (0 <= i.rank < i.world_size, f"rank {i.rank} is not within 0..world_size - 1"),
+            (0 <= i.local_rank < MAX_LOCAL_RANK,
+             f"local_rank {i.local_rank} is not within 0..{MAX_LOCAL_RANK - 1}"),
+            (0 <= i.attempt < MAX_ATTEMPT, f"attempt {i.attempt} is not within 0..2**20 - 1"),
+            (-1 <= i.gpu < MAX_GPU, f"gpu {i.gpu} is not within -1..{MAX_GPU - 1}"),
+            (0 < i.pid < 1 << 32, f"pid {i.pid} is not within 1..2**32 - 1"),
+            (0 <= i.nonce < 1 << 32, f"nonce {i.nonce} is not within 0..2**32 - 1"),
+        )) + f" in {i!r}")
     for name, value in (("train_job", i.train_job), ("node", i.node)):
         if not LABEL_RE.fullmatch(value):
             raise ProtocolError("bad_identity", f"{name} {value[:40]!r} is not 1-128 of [A-Za-z0-9_.:@/+=-]")
@@ -275,7 +284,7 @@ def decode_identity(block: bytes, version: int = VERSION) -> Identity:
     rank, local_rank, world, attempt, gpu, pid, *nonce = fixed.unpack_from(block)
     pos = fixed.size
     strings = []
-    for _ in range(3):
+    for name in ("train_job", "node", "gpu_uuid"):
         if pos >= len(block):
             raise ProtocolError("truncated", "identity strings cut short")
         n = block[pos]
@@ -285,7 +294,7 @@ def decode_identity(block: bytes, version: int = VERSION) -> Identity:
         try:
             strings.append(raw.decode())
         except UnicodeDecodeError:
-            raise ProtocolError("bad_identity", "label value is not UTF-8") from None
+            raise ProtocolError("bad_identity", f"{name} {raw[:40]!r} is not UTF-8") from None
         pos += 1 + n
     if pos != len(block):
         raise ProtocolError("unknown_fields", f"{len(block) - pos} unknown bytes in identity block")
