@@ -227,7 +227,10 @@ def test_bad_input_is_rejected_by_reason_and_scrape_stays_ok(daemon, client):
     assert {dict(k[1])["reason"] for k in m if k[0] == "syncwatch_ingest_rejected_total"} == set(REJECT_REASONS)
 
 
-def test_too_large_datagram_over_udp_is_counted(sock_path):
+def test_too_large_datagram_over_udp_is_counted(sock_path, caplog):
+    """Its log line said "2049 bytes > 2048" whatever the datagram's size (the reader takes one
+    byte more than the limit, and the rest is gone): 5000 bytes read as one too many."""
+    caplog.set_level("WARNING", logger="syncwatch.daemon")
     with DaemonThread(config(sock_path, udp="127.0.0.1:0")) as d:
         host, port = d.udp_address.rsplit(":", 1)
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -237,6 +240,8 @@ def test_too_large_datagram_over_udp_is_counted(sock_path):
         m = scrape(d.url)
     assert value(m, "syncwatch_ingest_rejected_total", reason="too_large") == 1
     assert value(m, "syncwatch_ingest_records_total") == 1
+    assert [r.getMessage() for r in caplog.records if "too_large" in r.getMessage()] == [
+        "rejected record: too_large: more than 2048 bytes"]
 
 
 def _daemon_cmd(*flags: str) -> list[str]:

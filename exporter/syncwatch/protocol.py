@@ -358,7 +358,8 @@ class Decoder:
         """Return the record in ``data`` or raise ``ProtocolError`` with the reason."""
         n = len(data)
         if n > MAX_DATAGRAM:
-            raise ProtocolError("too_large", f"{n} bytes > {MAX_DATAGRAM}")
+            # the daemon reads one byte more than the limit: n says nothing of the real size
+            raise ProtocolError("too_large", f"more than {MAX_DATAGRAM} bytes")
         if n < HEADER.size:
             raise ProtocolError("truncated", f"{n} bytes is shorter than the header")
         magic, version, kind, ident_len = HEADER.unpack_from(data)
