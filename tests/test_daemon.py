@@ -466,6 +466,15 @@ def test_an_openmetrics_version_that_is_not_numbers_gets_text(daemon, client, ve
     assert body.endswith("# EOF\n")
 
 
+def test_a_media_type_is_read_whatever_its_case(daemon, client):
+    """RFC 9110 8.3.1: type and subtype are case-insensitive. prometheus_client's choose_encoder
+    compares them as written: a client accepting only ``Application/OpenMetrics-Text`` got the
+    text format it had not asked for."""
+    _full_exposition(daemon, client)
+    ctype, _, body = _get(daemon.url, "Application/OpenMetrics-Text;version=1.0.0")
+    assert ctype.startswith("application/openmetrics-text") and body.endswith("# EOF\n")
+
+
 def test_series_per_rank_within_budget_at_64_ranks(daemon, client):
     _full_exposition(daemon, client, ranks=64)
     m = scrape(daemon.url)

@@ -62,12 +62,12 @@ def _encoder_accept(accept: str) -> str:
     """What ``choose_encoder`` is given: "" (the text format) unless the Accept header accepts
     media types and none of them is text/plain or */*; then the ones it accepts, less those whose
     version is not numbers (``choose_encoder`` compares the parts as numbers: ``version=1.x``
-    raised, a 500)."""
+    raised, a 500), their types in lower case (``choose_encoder`` compares them as written)."""
     elements = [e for e in _accepted(accept)
                 if all(_VERSION.fullmatch(f[8:]) for f in e[1:] if f.startswith("version="))]
     if not elements or any(e[0].lower() in ("text/plain", "*/*", "text/*") for e in elements):
         return ""
-    return ",".join(";".join(e) for e in elements)
+    return ",".join(";".join([e[0].lower(), *e[1:]]) for e in elements)
 
 
 def _gzip_accepted(accept_encoding: str) -> bool:
