@@ -396,6 +396,17 @@ def test_a_burst_of_rejects_is_logged_whole_once_it_is_over(sock_path, monkeypat
     assert lines[1:] == ["rejected 4 more record(s) for bad_magic in the last 0.5 s"], lines
 
 
+def test_rejects_held_back_are_logged_when_the_daemon_stops(sock_path, caplog):
+    """A daemon stopped (SIGTERM) within the interval of a burst of rejects never logged the
+    burst's size: only its first line."""
+    caplog.set_level("WARNING", logger="syncwatch.daemon")
+    with DaemonThread(config(sock_path)) as d:
+        Client(d.socket_path).send(*[b"garbage"] * 5)
+        wait_records(d.url, 5)
+    lines = [r.getMessage() for r in caplog.records if "reject" in r.getMessage()]
+    assert lines[1:] == ["rejected 4 more record(s) for bad_magic in the last 10 s"], lines
+
+
 def test_promtool_check_metrics_passes_on_a_real_scrape(daemon, client):
     promtool = shutil.which("promtool")
     if promtool is None:

@@ -184,6 +184,7 @@ class Ingest:
         for t in self._threads:
             t.join(5.0)
         self._threads.clear()
+        self.flush_reject_log(final=True)
         for s in self._socks:
             s.close()
         self._socks.clear()
@@ -242,14 +243,14 @@ class Ingest:
         log.warning("rejected record: %s%s", e,
                     f" ({more} more like it in the last {REJECT_LOG_EVERY:g} s)" if more else "")
 
-    def flush_reject_log(self) -> None:
+    def flush_reject_log(self, final: bool = False) -> None:
         """Log the rejects the rate limit held back once their interval is over. They were told
         only with the next reject of the same reason: the size of a burst that ended was never
-        logged."""
+        logged. ``final`` (at stop): all of them, their intervals over or not."""
         now = time.monotonic()
         with self._log_lock:
             held = {reason: self._suppressed.pop(reason) for reason in list(self._suppressed)
-                    if now - self._last_log[reason] >= REJECT_LOG_EVERY}
+                    if final or now - self._last_log[reason] >= REJECT_LOG_EVERY}
         for reason, n in held.items():
             log.warning("rejected %d more record(s) for %s in the last %g s", n, reason,
                         REJECT_LOG_EVERY)
