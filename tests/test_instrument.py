@@ -2614,6 +2614,35 @@ def test_a_bad_numeric_argument_is_said_once_and_its_default_taken(
     assert said[0].endswith(f"using {default}"), said
 
 
+@pytest.mark.parametrize("value, attempt, said", [
+    (MAX_ATTEMPT, MAX_ATTEMPT - 1, False), (3, 3, False), (-1, 2, True), ("3", 2, True),
+    (True, 2, True), (2.0, 2, True)])
+def test_an_attempt_argument_beyond_the_protocols_bound_or_no_attempt_still_starts(
+        rx, sock_path, caplog, monkeypatch, value, attempt, said):
+    """``init(attempt=2**20)``, beyond the protocol's bound, or ``attempt=-1`` or ``"3"``: the
+    identity failed to encode, and the rank ran with no instrumentation at all (found with a
+    real rank; the same number from ``SYNCWATCH_ATTEMPT`` stays at 2**20 - 1); ``True`` was
+    attempt 1. The bound's number stays at its last value; what is no attempt number is said
+    once, naming the argument, and the launchers' attempt is taken."""
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    import syncwatch.instrument as sw
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="syncwatch.instrument"):
+            m = sw.init(job="arg", socket=sock_path, attempt=value, heartbeat_seconds=0)
+        assert m is not None and m.identity.attempt == attempt
+        m.step(samples=2)
+        assert steps(rx, 1)[0].identity.attempt == attempt
+    finally:
+        sw.shutdown()
+        dist.destroy_process_group()
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == ([f"syncwatch: ignoring attempt={value!r} (expected a whole number from "
+                       f"0): using 2"] if said else []), warned
+
+
 def test_zero_heartbeat_and_exchange_arguments_turn_them_off_without_a_warning(
         rx, sock_path, caplog):
     """``heartbeat_seconds=0`` and ``exchange_every=0`` are the documented "off"; ``inf``

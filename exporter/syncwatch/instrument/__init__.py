@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 
+from ..protocol import MAX_ATTEMPT
 from ..skew import EXCHANGE_SECONDS
 from . import _state
 from .hooks import Handle, ddp_hook_wrapper
@@ -186,6 +187,9 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
                         "GPU %d, the local rank's (torch.cuda.set_device(%d) before init() says "
                         "so)", current, gpu, gpu, gpu)
         uuid = identity.cuda_uuid(gpu)
+    if attempt is not None:  # one beyond the protocol's bound, or -1, "3": not started at all
+        attempt = min(_arg_number("attempt", attempt, operator.index, identity.attempt_from_env(),
+                                  lambda n: n >= 0, "a whole number from 0"), MAX_ATTEMPT - 1)
     ident = identity.resolve(rank=rank, world_size=world, job=job, attempt=attempt, node=node,
                              gpu=gpu, gpu_uuid=uuid)
     if clock is None:
