@@ -35,14 +35,15 @@ SCRAPE = 5
 
 def job_series(job: str, ranks: int = 4, ranks_per_node: int = 2, restarts: dict[float, int] | None = None,
                daemon_restart: float | None = None, scrape: int = SCRAPE, step_times: bool = False,
-               exchange: int = 0):
+               exchange: int = 0, slack: float = 0.05):
     """Counters of one train job from T0 to T0 + SPAN; ``restarts``: {time: rerun steps}.
 
     ``daemon_restart``: the rank-0 daemon restarts then, its job counters start again from zero.
     ``scrape``: seconds between samples; ``step_times``: with ``syncwatch_last_step_timestamp_seconds``;
     ``exchange``: the skew exchange's period in seconds (steps), its slack and last arrivals landing
-    then, for the period before (0: smoothly, as if it landed at every step); the last rank, which
-    arrives last in every step, then idles never (its slack stays 0) and steps last.
+    then, for the period before (0: smoothly, as if it landed at every step), with rank 0's skew
+    histogram counting the exchanged steps; the last rank, which arrives last in every step, then
+    idles never (its slack stays 0) and steps last. ``slack``: the other ranks' per step.
     """
     times = range(T0, T0 + SPAN + 1, scrape)
     out = []
@@ -53,7 +54,7 @@ def job_series(job: str, ranks: int = 4, ranks_per_node: int = 2, restarts: dict
                     [(t, 1) for t in times]))
         straggler = r == ranks - 1
         for name, per_second in (("syncwatch_steps_total", 1.0), ("syncwatch_step_seconds_total", 1.0),
-                                 ("syncwatch_slack_seconds_total", 0.0 if exchange and straggler else 0.05),
+                                 ("syncwatch_slack_seconds_total", 0.0 if exchange and straggler else slack),
                                  ("syncwatch_last_arrivals_total", 1.0 if straggler else 0.0),
                                  ("syncwatch_samples_total", 8.0)):
             landed = exchange and name in ("syncwatch_slack_seconds_total", "syncwatch_last_arrivals_total")
@@ -63,6 +64,9 @@ def job_series(job: str, ranks: int = 4, ranks_per_node: int = 2, restarts: dict
         if step_times:
             late = 0.5 if exchange and straggler else 0.0
             out.append(("syncwatch_last_step_timestamp_seconds", lab, [(t, t + late) for t in times]))
+    if exchange:
+        out.append(("syncwatch_barrier_skew_seconds_count", {"train_job": job, "instance": "10.0.0.0:9477"},
+                    [(t, (t - T0) // exchange * exchange) for t in times]))
     if restarts is not None:
         lab = {"train_job": job, "instance": "10.0.0.0:9477"}
         since = [daemon_restart if daemon_restart is not None and t >= daemon_restart else -1 for t in times]
@@ -159,6 +163,7 @@ def prom(tmp_path_factory):
               *job_series("scraped-15s", scrape=15),
               *job_series("scraped-30s", scrape=30, step_times=True),
               *job_series("exchange-20s", exchange=20, step_times=True),
+              *job_series("straggler-12s", exchange=12, slack=0.195),
               *young_exchange_series("young-exchange"),
               *checkpointing_series("every-rank-saves", rank0_only=False),
               *checkpointing_series("rank-0-saves", rank0_only=True),
@@ -220,6 +225,20 @@ def test_windows_span_four_exchange_periods(prom, monkeypatch, capsys):
     d = _diagnose(monkeypatch, capsys, prom, "exchange-20s", T0 + 300, T0 + 900)
     assert d["scores"]["coupling"] == pytest.approx(0.05 * 3 / 4, rel=0.05)
     assert "fabric_contention" not in [f["mode"] for f in d["findings"]]
+
+
+def test_a_straggler_s_slack_is_taken_over_the_steps_it_covers(prom, monkeypatch, capsys):
+    """A real 2-rank CPU job with rank 1 sleeping 30 ms per step: slack of 32 ms a step beside a
+    1 ms collective. Its 20 s windows held 8 or 9 of the exchange's landings (50 steps each), and
+    the collective time ((sync - slack) / steps) swung 0.3-2.2 ms (7.1x its baseline: fabric
+    contention) where rank 1's own waits read 0.8-1.4 ms. Here: slack of 195 ms a step beside a
+    5 ms collective, landing every 12 s in 40 s windows (3 or 4 landings). The slack now counts
+    per exchanged step (rank 0's skew histogram count)."""
+    view = from_prometheus(Prometheus(prom), "straggler-12s", T0 + 300, T0 + 900)
+    collective = 0.2 - 0.195 * 3 / 4  # the sync wait less the mean slack: three ranks idle
+    assert all(x == pytest.approx(collective, rel=0.1) for x in view.collective_series() if x is not None)
+    d = _diagnose(monkeypatch, capsys, prom, "straggler-12s", T0 + 300, T0 + 900)
+    assert [f["mode"] for f in d["findings"]] == ["straggler_persistent"]
 
 
 def test_a_range_shorter_than_one_exchange_period_is_refused(prom, monkeypatch, capsys):
