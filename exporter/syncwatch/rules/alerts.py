@@ -40,13 +40,25 @@ def with_node(expr: str) -> str:
     return f"(\n{expr}\n)\n* on (train_job, rank) group_left (node)\n{RANK_NODE}"
 
 
+def running(c: Ctx, expr: str) -> str:
+    """``expr`` less the jobs that completed: a rank of theirs ended ``completed`` in the lost
+    lookback, and none still runs. The 5- and 10-minute windows of their records outlive their
+    series by minutes: a real straggler job that completed 3 minutes before BarrierSkewHigh's
+    15m ``for:`` ran out fired it then, and JobUnstable, after its series had gone."""
+    return (f"(\n{expr}\n)\nunless on (train_job)\n(\n"
+            f"  group by (train_job) (\n    max_over_time(syncwatch_rank_end_timestamp_seconds"
+            f"{{reason=\"completed\"}}[{c.d(c.windows.lost_lookback)}])\n  )\n"
+            f"  unless on (train_job)\n  group by (train_job) (\n"
+            f"    {LIVE_RANKS.replace(chr(10), chr(10) + '    ')}\n  )\n)")
+
+
 def variance(c: Ctx) -> list[dict]:
     w, t = c.windows, c.thresholds
     return [
         alert(c, "SyncwatchStepTimeVarianceGrowing",
-              f"train_job:syncwatch_step_cv:avg5m > {t.cv_page:g}\n"
-              f"or\n(\n  train_job:syncwatch_step_cv:avg5m > {t.cv_growth_min:g}\n"
-              f"  and\n  train_job:syncwatch_step_cv:growth >= {t.cv_growth_page:g}\n)",
+              running(c, f"train_job:syncwatch_step_cv:avg5m > {t.cv_page:g}\n"
+                         f"or\n(\n  train_job:syncwatch_step_cv:avg5m > {t.cv_growth_min:g}\n"
+                         f"  and\n  train_job:syncwatch_step_cv:growth >= {t.cv_growth_page:g}\n)"),
               w.for_variance, "critical",
               "Step-time variance of a train job is growing.",
               f"Step-time CV of train job {JOB} is {_num('%.3f')} over the last {c.d(w.rate)} "
@@ -56,14 +68,14 @@ def variance(c: Ctx) -> list[dict]:
               f"Every rank waits for the slowest at each collective: growing variance is lost "
               f"throughput and an early sign of a failing node or a congested fabric."),
         alert(c, "SyncwatchJobUnstable",
-              f"train_job:syncwatch_instability:score > {t.instability_warn:g}",
+              running(c, f"train_job:syncwatch_instability:score > {t.instability_warn:g}"),
               w.for_instability, "warning",
               "Instability score of a train job is high.",
               f"Instability score of train job {JOB} is {_num()} (warns above {t.instability_warn:g}); "
               f"see train_job:syncwatch_instability:component for which of step CV, counter CV, "
               f"CV growth, barrier skew, skew growth, oscillation, re-runs and restarts drives it."),
         alert(c, "SyncwatchStepTimeOscillating",
-              f"train_job:syncwatch_step_autocorrelation:avg < -{t.oscillation_warn:g}",
+              running(c, f"train_job:syncwatch_step_autocorrelation:avg < -{t.oscillation_warn:g}"),
               w.for_oscillation, "warning",
               "Step time of a train job oscillates between fast and slow steps.",
               f"Lag-1 autocorrelation of step time in train job {JOB} is {_num()} "
@@ -76,9 +88,9 @@ def stragglers(c: Ctx) -> list[dict]:
     w, t = c.windows, c.thresholds
     return [
         alert(c, "SyncwatchPersistentStraggler",
-              f"train_job_rank:syncwatch_last_arrival:ratio10m >= {t.straggler_share:g}\n"
-              f"and on (train_job)\n"
-              f"train_job:syncwatch_coupling:ratio5m >= {t.straggler_min_coupling:g}",
+              running(c, f"train_job_rank:syncwatch_last_arrival:ratio10m >= {t.straggler_share:g}\n"
+                         f"and on (train_job)\n"
+                         f"train_job:syncwatch_coupling:ratio5m >= {t.straggler_min_coupling:g}"),
               w.for_straggler, "critical",
               "One rank persistently holds back its train job.",
               f"Rank {RANK} on node {NODE} arrived last at the barrier in {PCT} of the steps of "
@@ -87,13 +99,13 @@ def stragglers(c: Ctx) -> list[dict]:
               f"{t.straggler_min_coupling:.0%} of their time waiting. Check that node's GPU "
               f"(throttling, clocks), its NIC and its data loader."),
         alert(c, "SyncwatchBarrierSkewHigh",
-              f"train_job:syncwatch_skew_step:ratio5m > {t.skew_step_warn:g}",
+              running(c, f"train_job:syncwatch_skew_step:ratio5m > {t.skew_step_warn:g}"),
               w.for_skew, "warning",
               "Ranks of a train job arrive at the barrier far apart.",
               f"Mean barrier skew of train job {JOB} is {PCT} of its step time over the last "
               f"{c.d(w.rate)} (warns above {t.skew_step_warn:.0%})."),
         alert(c, "SyncwatchCouplingHigh",
-              f"train_job:syncwatch_coupling:ratio5m > {t.coupling_warn:g}",
+              running(c, f"train_job:syncwatch_coupling:ratio5m > {t.coupling_warn:g}"),
               w.for_coupling, "warning",
               "Ranks of a train job spend much of their time waiting for each other.",
               f"Ranks of train job {JOB} idle {PCT} of their time waiting for slower peers "
@@ -224,15 +236,15 @@ def efficiency(c: Ctx) -> list[dict]:
     w, t = c.windows, c.thresholds
     return [
         alert(c, "SyncwatchEfficiencyDrift",
-              f"train_job:syncwatch_efficiency:ratio_to_baseline < {t.efficiency_warn:g}",
+              running(c, f"train_job:syncwatch_efficiency:ratio_to_baseline < {t.efficiency_warn:g}"),
               w.for_efficiency, "warning",
               "Per-GPU throughput of a train job fell below its trailing baseline.",
               f"Per-GPU throughput of train job {JOB} is {PCT} of its own baseline, its mean "
               f"over the {c.d(w.trailing)} that ended {c.d(w.trailing_offset)} ago (warns below "
               f"{t.efficiency_warn:.0%})."),
         alert(c, "SyncwatchEnergyOutpacingOutput",
-              "train_job:syncwatch_energy_per_sample:joules5m\n/\n"
-              f"train_job:syncwatch_energy_per_sample:baseline1h > {t.energy_warn:g}",
+              running(c, "train_job:syncwatch_energy_per_sample:joules5m\n/\n"
+                         f"train_job:syncwatch_energy_per_sample:baseline1h > {t.energy_warn:g}"),
               w.for_energy, "warning",
               "A train job spends more energy per sample than it used to.",
               f"Energy per sample of train job {JOB} is {_num()}x its baseline, its mean over the "
