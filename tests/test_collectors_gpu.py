@@ -734,15 +734,9 @@ def test_driver_gone_after_gpus_were_read_reads_them_down(caplog, code):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-@pytest.mark.parametrize("code", GPU_INIT_ERRORS, ids=GPU_INIT_ERROR_IDS)
-def test_init_failing_after_gpus_were_read_reads_them_down_and_is_an_error(caplog, code):
-    """nvmlInit fails with an error of the driver or the GPUs, not absence, on a node whose GPUs the
-    daemon has read (the driver reloaded and failing): the cycles raised, so the runner served the
-    last snapshot, every GPU up 1, for 15 s, then withdrew every GPU series, the remembered ones
-    too, and SyncwatchGpuLost could not fire. Each GPU read since the daemon started now reads up 0
-    under its last index (its XIDs counted before stay), with one warning naming them, and every
-    cycle is still the error it was (success 0, nvmlInit's code logged), through the init retries,
-    until NVML initializes again."""
+def read_then_fail_init(code):
+    """A runner whose 2 GPUs were read (GPU 1 with an XID 79), then the driver reloads and
+    nvmlInit fails with ``code``: (clock, fake NVML, runner) after the cycle whose count failed."""
     clock = Clock()
     fake = FakeNvml(healthy_node(2))
     runner = CollectorRunner({"gpu": GpuCollector(nvml=fake, clock=clock, backoff=(10, 40))}, clock=clock)
@@ -752,6 +746,19 @@ def test_init_failing_after_gpus_were_read_reads_them_down_and_is_an_error(caplo
     fake.initialized = 0  # the driver reloads: every call answers UNINITIALIZED ...
     fake.init_error = code  # ... and nvmlInit fails
     runner.run_once()  # nvmlDeviceGetCount fails: NVML closed, initialized again next cycle
+    return clock, fake, runner
+
+
+@pytest.mark.parametrize("code", GPU_INIT_ERRORS, ids=GPU_INIT_ERROR_IDS)
+def test_init_failing_after_gpus_were_read_reads_them_down_and_is_an_error(caplog, code):
+    """nvmlInit fails with an error of the driver or the GPUs, not absence, on a node whose GPUs the
+    daemon has read (the driver reloaded and failing): the cycles raised, so the runner served the
+    last snapshot, every GPU up 1, for 17 s, then withdrew every GPU series, the remembered ones
+    too, and SyncwatchGpuLost could not fire. Each GPU read since the daemon started now reads up 0
+    under its last index (its XIDs counted before stay), with one warning naming them, and every
+    cycle is still the error it was (success 0, nvmlInit's code logged), through the init retries,
+    until NVML initializes again."""
+    clock, fake, runner = read_then_fail_init(code)
     caplog.clear()
     up, success = "syncwatch_gpu_up", {"collector": "gpu"}
     with caplog.at_level(logging.WARNING, logger="syncwatch.collectors"):
@@ -780,19 +787,11 @@ def test_init_failing_for_the_daemons_fault_after_gpus_were_read_withdraws_them(
     (the driver replaced at another version under it, /dev/nvidiactl no longer granted to it, an
     NVML library too old): the GPUs are most likely fine, so they do not read up 0, which pages
     SyncwatchGpuLost, critical, for every GPU of the node. The cycles raised: the runner served the
-    last snapshot, every GPU up 1, for 15 s after NVML stopped answering, then withdrew every GPU
+    last snapshot, every GPU up 1, for 17 s after NVML stopped answering, then withdrew every GPU
     series; then they read up 0 like the driver's errors. Now every cycle is the error (success 0,
     nvmlInit's code logged, no warning) and exports no GPU series but the XIDs counted before, from
     the first re-init on, through the init retries, until NVML initializes again."""
-    clock = Clock()
-    fake = FakeNvml(healthy_node(2))
-    runner = CollectorRunner({"gpu": GpuCollector(nvml=fake, clock=clock, backoff=(10, 40))}, clock=clock)
-    runner.run_once()
-    fake.xid(1, 79)
-    runner.run_once()
-    fake.initialized = 0  # the driver reloads: every call answers UNINITIALIZED ...
-    fake.init_error = code  # ... and nvmlInit fails
-    runner.run_once()  # nvmlDeviceGetCount fails: NVML closed, initialized again next cycle
+    clock, fake, runner = read_then_fail_init(code)
     caplog.clear()
     xids = "syncwatch_gpu_xid_errors_total", "syncwatch_gpu_xid_last_event_timestamp_seconds"
     with caplog.at_level(logging.WARNING, logger="syncwatch.collectors"):
