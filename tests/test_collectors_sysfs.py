@@ -87,6 +87,21 @@ def test_fixture_counters_fit_the_kernels_field_widths():
     assert checked > 100
 
 
+def test_fixture_mlx5_ports_have_hw_counters_on_both_link_layers():
+    """mlx5 registers its hw_counters for every port of an HCA, InfiniBand and RoCE alike
+    (drivers/infiniband/hw/mlx5/counters.c: mlx5_ib_counters_init sets alloc_hw_port_stats
+    whenever the HCA has queue counters, max_qp_cnt, whatever the link layer; pf_profile, the
+    profile of both, runs it). The InfiniBand HCA of the fixture trees had none: a port no mlx5
+    HCA shows. Only the missing_counters scenario leaves them out, on purpose."""
+    ports = [p for p in sorted(SYSFS.glob("*/class/infiniband/mlx5_*/ports/*"))
+             if p.parts[len(SYSFS.parts)] != "missing_counters"]
+    layers = {(p / "link_layer").read_text().strip() for p in ports}
+    assert layers == {"InfiniBand", "Ethernet"}
+    for port in ports:
+        for name in ("out_of_sequence", "packet_seq_err", "local_ack_timeout_err"):
+            assert (port / "hw_counters" / name).is_file(), (str(port.relative_to(SYSFS)), name)
+
+
 @pytest.mark.parametrize("counter,value", [("local_link_integrity_errors", 16), ("link_downed", 256),
                                            ("symbol_error", 65_536), ("port_xmit_wait", 2 ** 32)])
 def test_writer_refuses_counters_wider_than_the_kernels(tmp_path, counter, value):
@@ -108,7 +123,10 @@ def test_healthy_values_and_units():
     assert v("syncwatch_ib_port_data_bytes_total", {**ib, "direction": "receive"}) == 2_498_775_012_864 * 4
     assert v("syncwatch_ib_port_rate_bytes", ib) == 25e9
     assert v("syncwatch_ib_port_up", ib) == 1
-    assert v("syncwatch_roce_cnp_sent_total", ib) is None  # IB port: no hw_counters
+    # mlx5 has hw_counters on an InfiniBand port too: its queue counters (transport, not RoCE)
+    assert v("syncwatch_roce_out_of_sequence_total", ib) == 0
+    assert v("syncwatch_roce_retransmits_total", {**ib, "reason": "nak_sequence"}) == 0
+    assert v("syncwatch_roce_cnp_sent_total", ib) is None  # no congestion counters on this HCA
     assert v("syncwatch_roce_cnp_sent_total", {"device": "mlx5_1", "port": "1"}) == 0
 
 

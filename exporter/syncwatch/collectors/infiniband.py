@@ -1,7 +1,8 @@
 """InfiniBand and RoCE ports from ``<sysfs>/class/infiniband/*/ports/*``.
 
 ``counters/`` holds the IB port counters (both link layers; ``port_xmit_data``/``port_rcv_data``
-count 4-byte words, hence ×4). ``hw_counters/`` holds the mlx5 RoCE congestion-control counters.
+count 4-byte words, hence ×4). ``hw_counters/`` holds the mlx5 queue counters (out of sequence,
+retransmits) on InfiniBand and RoCE ports alike, and the RoCE congestion-control counters.
 A port without a performance-management agent reads ``N/A (no PMA)``: quietly absent. A port
 whose state is DOWN has no rate series: its link trained no speed, and the kernel's ``rate`` then
 shows SDR, the default it prints for an invalid speed (e.g. ``10 Gb/sec (4X SDR)``), as the net

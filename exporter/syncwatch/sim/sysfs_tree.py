@@ -32,14 +32,20 @@ PMA_WIDTHS = {"symbol_error": 16, "link_error_recovery": 8, "link_downed": 8, "p
               "port_xmit_wait": 32, "port_xmit_data": 64, "port_rcv_data": 64, "port_xmit_packets": 64,
               "port_rcv_packets": 64, "unicast_xmit_packets": 64, "unicast_rcv_packets": 64,
               "multicast_xmit_packets": 64, "multicast_rcv_packets": 64}
-HW_COUNTERS = ["duplicate_request", "implied_nak_seq_err", "lifespan", "local_ack_timeout_err",
-               "np_cnp_sent", "np_ecn_marked_roce_packets", "out_of_buffer", "out_of_sequence",
-               "packet_seq_err", "req_cqe_error", "req_cqe_flush_error", "req_remote_access_errors",
-               "req_remote_invalid_request", "resp_cqe_error", "resp_cqe_flush_error",
-               "resp_local_length_error", "resp_remote_access_errors", "rnr_nak_retry_err",
-               "roce_adp_retrans", "roce_adp_retrans_to", "roce_slow_restart", "roce_slow_restart_cnps",
-               "roce_slow_restart_trans", "rp_cnp_handled", "rp_cnp_ignored", "rx_atomic_requests",
-               "rx_icrc_encapsulated", "rx_read_requests", "rx_write_requests"]
+# hw_counters/ (drivers/infiniband/hw/mlx5/counters.c): the mlx5 queue counters (and the core's
+# lifespan), on every port whatever its link layer; then those that come with firmware
+# capabilities (congestion: cc_query_allowed, RoCE acceleration: roce_accl, rx_icrc_encapsulated),
+# written for a RoCE port only: the InfiniBand HCA written here is one without them.
+QUEUE_COUNTERS = ["duplicate_request", "implied_nak_seq_err", "lifespan", "local_ack_timeout_err",
+                  "out_of_buffer", "out_of_sequence", "packet_seq_err", "req_cqe_error",
+                  "req_cqe_flush_error", "req_remote_access_errors", "req_remote_invalid_request",
+                  "resp_cqe_error", "resp_cqe_flush_error", "resp_local_length_error",
+                  "resp_remote_access_errors", "rnr_nak_retry_err", "rx_atomic_requests",
+                  "rx_read_requests", "rx_write_requests"]
+ROCE_COUNTERS = ["np_cnp_sent", "np_ecn_marked_roce_packets", "roce_adp_retrans", "roce_adp_retrans_to",
+                 "roce_slow_restart", "roce_slow_restart_cnps", "roce_slow_restart_trans",
+                 "rp_cnp_handled", "rp_cnp_ignored", "rx_icrc_encapsulated"]
+HW_COUNTERS = sorted(QUEUE_COUNTERS + ROCE_COUNTERS)
 
 
 def write(path: Path, text: str) -> None:
@@ -102,9 +108,9 @@ def ib_port(root: Path, dev: str, port: int, *, link_layer: str, state: str = "4
             counters: dict[str, int | str] | None = None, hw: dict[str, int] | None = None,
             no_pma: bool = False, hw_counters: bool = True) -> Path:
     """A port of HCA ``dev`` (``link_layer`` "InfiniBand" or "Ethernet" for RoCE); returns its
-    directory. ``hw_counters`` adds the mlx5 congestion-control counters; ``no_pma`` makes every
-    port counter read ``N/A (no PMA)``. A counter value wider than its field (``PMA_WIDTHS``) is
-    a ValueError."""
+    directory. ``hw_counters`` adds the mlx5 ``hw_counters/``: the queue counters, and on a RoCE
+    port the congestion-control and RoCE counters too; ``no_pma`` makes every port counter read
+    ``N/A (no PMA)``. A counter value wider than its field (``PMA_WIDTHS``) is a ValueError."""
     base = root / "class" / "infiniband" / dev / "ports" / str(port)
     write(base / "state", state)
     write(base / "phys_state", phys_state)
@@ -119,7 +125,7 @@ def ib_port(root: Path, dev: str, port: int, *, link_layer: str, state: str = "4
         write(base / "counters" / name, "N/A (no PMA)" if no_pma else str(values.get(name, 0)))
     if hw_counters:
         hv = {"rx_write_requests": 91_234_003, "rx_read_requests": 1_200, **(hw or {})}
-        for name in HW_COUNTERS:
+        for name in HW_COUNTERS if link_layer == "Ethernet" else QUEUE_COUNTERS:
             write(base / "hw_counters" / name, str(hv.get(name, 0)))
     write(root / "class" / "infiniband" / dev / "node_type", "1: CA")
     write(root / "class" / "infiniband" / dev / "fw_ver", "20.39.1002")
