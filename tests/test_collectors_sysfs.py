@@ -110,6 +110,16 @@ def test_writer_refuses_counters_wider_than_the_kernels(tmp_path, counter, value
     ib_port(tmp_path, "mlx5_0", 1, link_layer="InfiniBand", counters={counter: value - 1})  # its maximum
 
 
+@pytest.mark.parametrize("counter", ["out_of_sequence", "packet_seq_err", "local_ack_timeout_err"])
+def test_writer_refuses_queue_counters_wider_than_32_bits(tmp_path, counter):
+    """mlx5 reads its queue counters as 32-bit values (counters.c, mlx5_ib_query_q_counters:
+    ``be32_to_cpu``); only the congestion counters are 64-bit (``_high``/``_low``). The writer
+    took any value, and the docs called every hw_counter 64-bit."""
+    with pytest.raises(ValueError, match=counter):
+        ib_port(tmp_path, "mlx5_1", 1, link_layer="Ethernet", hw={counter: 2 ** 32})
+    ib_port(tmp_path, "mlx5_1", 1, link_layer="Ethernet", hw={counter: 2 ** 32 - 1, "np_cnp_sent": 2 ** 40})
+
+
 def test_healthy_values_and_units():
     reg = registry_of(collect(SYSFS / "healthy")[0])
     v = reg.get_sample_value

@@ -59,8 +59,8 @@ class Counters:
     ``bump(path, by)`` adds ``by`` to the counter file ``path`` (read once, on its first bump),
     replacing the file whole: a reader never sees it half written (a sysfs attribute reads
     atomically). A port counter (``counters/<name>``) stops at its field's maximum
-    (``PMA_WIDTHS``), as the port's counters saturate; netdev statistics and ``hw_counters``
-    are 64-bit and go on. Four system calls a bump, since each one lets other threads take the
+    (``PMA_WIDTHS``), as the port's counters saturate; netdev statistics and the ``hw_counters``
+    advanced here (the 64-bit congestion counters) go on. Four system calls a bump, since each one lets other threads take the
     interpreter lock: the simulator's hardware bumps dozens of files per tick."""
 
     def __init__(self):
@@ -110,7 +110,8 @@ def ib_port(root: Path, dev: str, port: int, *, link_layer: str, state: str = "4
     """A port of HCA ``dev`` (``link_layer`` "InfiniBand" or "Ethernet" for RoCE); returns its
     directory. ``hw_counters`` adds the mlx5 ``hw_counters/``: the queue counters, and on a RoCE
     port the congestion-control and RoCE counters too; ``no_pma`` makes every port counter read
-    ``N/A (no PMA)``. A counter value wider than its field (``PMA_WIDTHS``) is a ValueError."""
+    ``N/A (no PMA)``. A counter value wider than its field (``PMA_WIDTHS``; 32 bits for a queue
+    counter) is a ValueError."""
     base = root / "class" / "infiniband" / dev / "ports" / str(port)
     write(base / "state", state)
     write(base / "phys_state", phys_state)
@@ -125,6 +126,9 @@ def ib_port(root: Path, dev: str, port: int, *, link_layer: str, state: str = "4
         write(base / "counters" / name, "N/A (no PMA)" if no_pma else str(values.get(name, 0)))
     if hw_counters:
         hv = {"rx_write_requests": 91_234_003, "rx_read_requests": 1_200, **(hw or {})}
+        for name, value in hv.items():
+            if name in QUEUE_COUNTERS and not 0 <= value < 2 ** 32:
+                raise ValueError(f"{name} {value}: mlx5 reads its queue counters as 32 bits")
         for name in HW_COUNTERS if link_layer == "Ethernet" else QUEUE_COUNTERS:
             write(base / "hw_counters" / name, str(hv.get(name, 0)))
     write(root / "class" / "infiniband" / dev / "node_type", "1: CA")
