@@ -288,6 +288,21 @@ def test_virtual_interfaces_are_skipped_unless_asked_for(tmp_path):
     assert devices(NetCollector(str(sys_root), virtual=True)) == {"eno1", "cni0", "cali3f2a"}
 
 
+def test_fixture_interfaces_link_to_their_devices_as_in_real_sysfs():
+    """Every ``class/net`` entry of real sysfs is a symlink to its device's directory: under the
+    PCI function for a NIC, under ``devices/virtual/net`` for loopback (this machine:
+    ``lo -> ../../devices/virtual/net/lo``, ``eth0 -> ../../devices/pci0000:00/.../net/eth0``).
+    The fixture trees held plain directories, so their ``lo`` read as a physical NIC."""
+    for entry in sorted(SYSFS.glob("*/class/net/*")):
+        assert entry.is_symlink(), str(entry.relative_to(SYSFS))
+        assert os.readlink(entry).startswith(os.path.join("..", "..", "devices", "")), os.readlink(entry)
+    errors: list[str] = []
+    reg = registry_of([f for f in NetCollector(str(SYSFS / "healthy"), exclude="").update(errors) if f.samples])
+    assert errors == []
+    assert reg.get_sample_value("syncwatch_nic_up", {"device": "eno1"}) == 1
+    assert reg.get_sample_value("syncwatch_nic_receive_bytes_total", {"device": "lo"}) is None  # virtual
+
+
 def test_absent_tree_is_quiet_no_data(tmp_path):
     for c in (NetCollector(str(tmp_path)), InfinibandCollector(str(tmp_path))):
         with pytest.raises(NoData):

@@ -88,9 +88,18 @@ class Counters:
 
 
 def nic(root: Path, dev: str, *, speed: str, operstate: str = "up", carrier_changes: int = 2,
-        mtu: int = 9000, stats: dict[str, int] | None = None, skip: tuple[str, ...] = ()) -> Path:
-    """A network interface; returns its directory. ``skip`` leaves attributes out."""
-    base = root / "class" / "net" / dev
+        mtu: int = 9000, stats: dict[str, int] | None = None, skip: tuple[str, ...] = (),
+        pci: str | None = "0000:17:00.0") -> Path:
+    """A network interface; returns its directory. ``skip`` leaves attributes out. As in real
+    sysfs, the directory is the device's, under its PCI function ``pci`` (a physical NIC) or,
+    with ``pci=None``, under ``devices/virtual/net`` (loopback, bridges, veths), and
+    ``class/net/<dev>`` is a symlink to it."""
+    home = Path("devices", "virtual") if pci is None else Path("devices", "pci0000:00", pci)
+    base = root / home / "net" / dev
+    link = root / "class" / "net" / dev
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.is_symlink():
+        link.symlink_to(Path("..", "..", home, "net", dev))
     values = {"rx_bytes": 918_273_645_120, "tx_bytes": 905_112_334_080, "rx_packets": 231_004_512,
               "tx_packets": 228_771_903, **(stats or {})}
     for name in NET_STATS:
