@@ -2339,28 +2339,33 @@ def test_register_handle_remove_restores_torch_distributed():
     import syncwatch.instrument as sw
     from syncwatch.instrument.hooks import COLLECTIVES
     before = {name: getattr(dist, name) for name in COLLECTIVES}
+    wait = dist.Work.wait
     handle = sw.register(collectives=True)
     try:
         for name, fn in before.items():
             assert getattr(dist, name) is not fn and getattr(dist, name)._syncwatch_original is fn
+        assert dist.Work.wait._syncwatch_original is wait
         again = sw.register(collectives=True)  # idempotent: no wrapper around a wrapper
         assert all(getattr(dist, n)._syncwatch_original is before[n] for n in before)
+        assert dist.Work.wait._syncwatch_original is wait
         again.remove()
     finally:
         handle.remove()
     assert {name: getattr(dist, name) for name in COLLECTIVES} == before
+    assert dist.Work.wait is wait
 
 
-def test_every_wrapped_collective_is_counted_and_timed_only_when_blocking(rx, ddp_world1):
+def test_every_wrapped_collective_is_counted_and_its_wait_timed(rx, ddp_world1):
     """Each collective of torch 2.13 that syncwatch wraps (FSDP's ``*_single`` included), on a
     real gloo group: a blocking call notes a timed collective, ``async_op=True`` given by
-    position (where the signature puts it) only bumps the sequence."""
+    position (where the signature puts it) bumps the sequence, and the wait on its work is
+    timed (once: a second wait is not; it was not timed at all)."""
     torch = ddp_world1
     dist = torch.distributed
     import syncwatch.instrument as sw
     from syncwatch.instrument import _state
     from syncwatch.instrument.hooks import COLLECTIVES
-    from syncwatch.instrument.monitor import COLL, COLL_END, SEQ
+    from syncwatch.instrument.monitor import COLL, COLL_END, SEQ, WAITED
 
     def t():
         return torch.arange(4.0)
@@ -2390,8 +2395,10 @@ def test_every_wrapped_collective_is_counted_and_timed_only_when_blocking(rx, dd
             fn = getattr(dist, name)
             assert fn._syncwatch_original is not fn
             assert fn(*make()) is None, name
-            fn(*make(), True).wait()
-            assert [e[0] for e in m._entries] == [COLL, COLL_END, SEQ], name
+            work = fn(*make(), True)
+            work.wait()
+            work.wait()
+            assert [e[0] for e in m._entries] == [COLL, COLL_END, SEQ, WAITED, COLL_END], name
         x = t()
         dist.all_reduce(x)
         assert x.tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -24,6 +24,7 @@ from syncwatch.daemon.config import DaemonConfig  # noqa: E402
 WORKER = str(Path(__file__).parent / "instrument" / "ddp_worker.py")
 RESUME_WORKER = str(Path(__file__).parent / "instrument" / "resume_worker.py")
 CUDA_WORKER = str(Path(__file__).parent / "instrument" / "cuda_worker.py")
+PREFETCH_WORKER = str(Path(__file__).parent / "instrument" / "prefetch_worker.py")
 DELAY = 0.04
 
 
@@ -189,6 +190,30 @@ def test_fsdp_straggler_is_named_through_its_wrapped_collectives(daemon, sock_pa
     count = m.value("syncwatch_barrier_skew_seconds_count", train_job=job)
     total = m.value("syncwatch_barrier_skew_seconds_sum", train_job=job)
     assert count >= 40 and 0.9 * DELAY <= total / count <= 1.3 * DELAY
+
+
+def test_fsdp_all_gather_prefetched_async_is_waited_as_sync(daemon, sock_path, tmp_path):
+    """``fully_shard`` with explicit prefetching: the first layer's all-gather issued with
+    ``unshard(async_op=True)`` and waited for in its pre-forward. The wait for the slow rank is
+    in that all-gather's work: it was not timed, so rank 0's 30 ms wait read as its forward,
+    its slack ~0, and the last arrivals fell on either rank."""
+    job, steps, delay = "prefetch", 20, 0.03
+    procs = launch(2, ["--steps", str(steps), "--slow-rank", "1", "--delay", str(delay)],
+                   tmp_path, job, script=PREFETCH_WORKER, SYNCWATCH_SOCKET=sock_path,
+                   SYNCWATCH_JOB=job, SYNCWATCH_SKEW_EVERY="10")
+    finish(procs, tmp_path, job)
+    m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job)
+                     == {0: steps, 1: steps} and every_window_in(m, job, steps))
+    sync = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="sync")
+    forward = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="forward")
+    assert sync[0] - sync[1] == pytest.approx(steps * delay, rel=0.2), sync
+    assert forward[1] >= steps * delay > 2 * forward[0], forward
+    last = m.by_rank("syncwatch_last_arrivals_total", train_job=job)
+    assert last[1] >= 0.9 * sum(last.values()) and sum(last.values()) >= steps, last
+    slack = m.by_rank("syncwatch_slack_seconds_total", train_job=job)
+    assert slack[0] / steps == pytest.approx(delay, rel=0.2), slack
+    seq = m.by_rank("syncwatch_collective_sequence", train_job=job)
+    assert seq[0] == seq[1] > 0, seq
 
 
 @pytest.mark.parametrize("wrap", ["fully_shard", "fsdp"])

@@ -24,7 +24,8 @@ on the autograd and communication threads, which the hook-free path avoids.
 The collective wrappers replace the ``COLLECTIVES`` in ``torch.distributed`` that the installed
 torch has (callers that look them up there: ``dist.all_reduce(...)``; a name bound earlier with
 ``from torch.distributed import all_reduce`` keeps the original). Each call bumps the collective
-sequence; a blocking call is timed as ``sync``. FSDP (``FullyShardedDataParallel`` and
+sequence; a blocking call is timed as ``sync``, an async one where its work is waited on
+(``Work.wait`` is wrapped). FSDP (``FullyShardedDataParallel`` and
 ``fully_shard``) calls its all-gathers and reduce-scatters this way (``all_gather`` or
 ``all_gather_single``, ``reduce_scatter_single`` in torch 2.13), so an FSDP model's waits are the
 wrapped collectives' and nothing else is attached to it.
@@ -274,9 +275,11 @@ def _wrap(orig, async_index: int):
 
 
 def patch_collectives() -> Handle:
-    """Wrap the collectives in ``torch.distributed``; the handle restores the originals."""
+    """Wrap the collectives in ``torch.distributed``, and ``Work.wait`` (the wait on an async
+    one's work); the handle restores the originals."""
     import torch.distributed as dist
     handle = Handle()
+    handle.add(_patch_work_wait(dist))
     for name in COLLECTIVES:
         orig = getattr(dist, name, None)
         if orig is None or hasattr(orig, "_syncwatch_original"):
@@ -292,3 +295,25 @@ def patch_collectives() -> Handle:
                 setattr(dist, name, orig)
         handle.add(undo)
     return handle
+
+
+def _patch_work_wait(dist):
+    """Wrap ``dist.Work.wait``, once; returns what restores it."""
+    work = getattr(dist, "Work", None)
+    wait = getattr(work, "wait", None)
+    if wait is None or hasattr(wait, "_syncwatch_original"):
+        return lambda: None
+
+    @functools.wraps(wait)
+    def timed_wait(self, *args, **kwargs):
+        m = _state.monitor
+        if m is None or _state.in_ddp_hook:
+            return wait(self, *args, **kwargs)
+        return m.timed_wait(wait, self, args, kwargs)
+    timed_wait._syncwatch_original = wait
+    work.wait = timed_wait
+
+    def undo():
+        if work.wait is timed_wait:
+            work.wait = wait
+    return undo

@@ -31,6 +31,7 @@ import logging
 import statistics
 import threading
 import time
+import weakref
 
 from ..protocol import (END_REASONS, MAX_ATTEMPT, MAX_STEP, MAX_TOTAL, PAUSES, PHASE_INDEX,
                         Cumulative, Encoder, Identity)
@@ -66,10 +67,11 @@ MAX_NEW_ATTEMPTS = 16
 #   (phase, mark) (phase + EXIT, mark) (READY, mark, collectives[, backward]) (DONE, mark)
 #   (SYNCED, mark) (ENDED, mark) (LOADED, mark)
 #   (COLL, mark) (COLL_END, mark) (SEQ,) (STEP, mark, wall, samples, tokens, step number | None)
+#   (WAITED, mark): a wait on an async collective's work begins (ended by a COLL_END)
 # ENDED: a backward ended (one under no_sync(); a synchronized one's end is its SYNCED).
 # LOADED: ``backward`` ends, its time since the latest backward's end being ``data``.
 EXIT = 8
-STEP, READY, DONE, COLL, COLL_END, SEQ, SYNCED, ENDED, LOADED = 16, 17, 18, 19, 20, 21, 22, 23, 24
+STEP, READY, DONE, COLL, COLL_END, SEQ, SYNCED, ENDED, LOADED, WAITED = range(16, 26)
 _SEQ_ENTRY = (SEQ,)
 
 
@@ -171,6 +173,7 @@ class Monitor:
         self.sync_since = 0
         self._ddp_in = self._ddp_out = 0  # DDP gradient syncs begun / ended
         self._coll_in = 0                # blocking wrapped collectives under way
+        self._async_works = weakref.WeakSet()  # works of async wrapped collectives not waited on
         # held until shutdown: the records thread sleeps in ``acquire(timeout=...)``, one C call
         # (an ``Event.wait`` runs Condition's Python: 89 us of CPU a wake-up against 60 us)
         self._stop = threading.Lock()
@@ -212,8 +215,8 @@ class Monitor:
     def timed_collective(self, fn, args, kwargs, async_index: int):
         """Run a collective, timing a blocking one's wait as ``sync``. Its errors are the caller's.
 
-        An ``async_op=True`` call is counted but not timed: its wait happens where the caller
-        waits on the returned work. So is a call on another thread than the training thread
+        An ``async_op=True`` call is counted here; its wait is timed where the caller waits on
+        the returned work (``timed_wait``). A call on another thread than the training thread
         (``self.thread``) outside a backward: DCP's ``async_save`` uploading in its executor's
         thread, ending in a ``dist.barrier`` while the loop trains on, or a metrics thread. Its
         wait is none of the training thread's: timed, it was counted as ``sync`` of the step it
@@ -229,9 +232,40 @@ class Monitor:
         except Exception:
             self._error()
         if not timed:
-            return fn(*args, **kwargs)
+            work = fn(*args, **kwargs)
+            if work is not None:
+                try:
+                    self._async_works.add(work)
+                except TypeError:
+                    pass  # not a torch Work: a wait on it is not seen
+            return work
         try:
             return fn(*args, **kwargs)
+        finally:
+            try:
+                self._put((COLL_END, self._mark()))
+            except Exception:
+                self._error()
+
+    def timed_wait(self, wait, work, args, kwargs):
+        """``work.wait()``: the wait on an async collective's work, timed as ``sync`` as a
+        blocking call's is (FSDP2's ``unshard(async_op=True)``, its explicit prefetching, waits
+        for its all-gather in the unit's pre-forward; untimed, a rank waiting there for a slow
+        one read that wait as its forward, and the exchange saw no slack). Only its first wait,
+        and on the threads whose collectives are timed. Its errors are the caller's."""
+        timed = False
+        try:
+            if work in self._async_works:
+                self._async_works.discard(work)
+                if threading.get_ident() == self.thread or self._in_backward():
+                    self._put((WAITED, self._mark()))
+                    timed = True
+        except Exception:
+            self._error()
+        if not timed:
+            return wait(work, *args, **kwargs)
+        try:
+            return wait(work, *args, **kwargs)
         finally:
             try:
                 self._put((COLL_END, self._mark()))
@@ -324,8 +358,9 @@ class Monitor:
             self._note_ended(e[1], len(self._sync), True)
         elif code == LOADED:
             self._loaded(e[1], host)
-        elif code == COLL:
-            self.collective_sequence += 1
+        elif code == COLL or code == WAITED:
+            if code == COLL:
+                self.collective_sequence += 1
             self._sync_begins(host)
             self._coll_in += 1
             self._colls.append(e[1])
