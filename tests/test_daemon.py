@@ -998,6 +998,10 @@ def test_a_bad_address_is_shown_an_example_of_its_own_flag(flags, says):
     ("SYNCWATCH_WINDOW", "1", "--window (from SYNCWATCH_WINDOW): window must be at least 3 steps, got 1"),
     ("SYNCWATCH_LOG_LEVEL", "verbose", "--log-level (from SYNCWATCH_LOG_LEVEL) must be debug, info, "
                                        "warning or error, got 'verbose'"),
+    ("SYNCWATCH_COLLECTOR_INTERVAL", "0", "--collector.interval (from SYNCWATCH_COLLECTOR_INTERVAL) "
+                                         "must be positive and finite, got 0"),
+    ("SYNCWATCH_COLLECTOR_TIMEOUT", "nan", "--collector.timeout (from SYNCWATCH_COLLECTOR_TIMEOUT) "
+                                           "must be positive and finite, got nan"),
     ("SYNCWATCH_SOCKET", "/tmp/" + "x" * 120, "--socket (from SYNCWATCH_SOCKET): socket path /tmp/"
                                               + "x" * 120 + " is 125 bytes; a Unix socket path has "
                                               "at most 107: choose a shorter one"),

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 
+from ..cli import named
 from . import gpu, infiniband, net  # noqa: F401 - importing registers the collectors
 from .base import COLLECTORS, CollectorOptions, CollectorRunner, NoData, register
 
@@ -73,7 +75,12 @@ def runner_from_args(args: argparse.Namespace) -> CollectorRunner | None:
     A ``--path.sysfs`` without ``class/`` under it is told once here: the collectors take a
     missing tree for hardware the node lacks (``NoData``: no series, success 1), so where the
     host's /sys is not mounted at the path given (``/host/sys`` in compose and Kubernetes) they
-    would report nothing and nobody would learn why."""
+    would report nothing and nobody would learn why. A bad ``--collector.interval`` or
+    ``--collector.timeout`` is told with its flag (and the variable that gave it)."""
+    for flag, value in (("--collector.interval", args.collector_interval),
+                        ("--collector.timeout", args.collector_timeout)):
+        if not 0 < value < math.inf:  # NaN too (see CollectorRunner)
+            raise ValueError(f"{named(args, flag)} must be positive and finite, got {value:g}")
     options = CollectorOptions(sysfs=args.path_sysfs, procfs=args.path_procfs,
                                net_exclude=args.net_exclude, net_virtual=args.net_virtual)
     names = enabled_names(args)
