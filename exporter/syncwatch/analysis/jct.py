@@ -408,7 +408,8 @@ _FLAGS = [
     ("--t-download", float, 120.0, "recovery: download image and checkpoint, seconds"),
     ("--t-reinit", float, 120.0, "recovery: re-initialize (process groups, model, data), seconds"),
     ("--t-catchup", float, 0.0, "recovery: fixed catch-up beyond re-running lost steps, seconds"),
-    ("--max-nodes", int, None, "largest node count of the sync-wall sweep"),
+    ("--max-nodes", int, None, f"largest node count of the sync-wall sweep (default {MAX_SWEEP_NODES:,}, "
+                               "or fewer where the global batch splits into fewer replicas)"),
 ]
 _STORE = tracked(argparse._StoreAction)
 
