@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import re
 
 from ..cli import named
 from . import gpu, infiniband, net  # noqa: F401 - importing registers the collectors
-from .base import COLLECTORS, CollectorOptions, CollectorRunner, NoData, register
+from .base import COLLECTORS, CollectorOptions, CollectorRunner, NoData, check_period, register
 
 __all__ = ["COLLECTORS", "CollectorOptions", "CollectorRunner", "NoData", "register",
            "add_flags", "runner_from_args", "enabled_names"]
@@ -79,8 +78,7 @@ def runner_from_args(args: argparse.Namespace) -> CollectorRunner | None:
     ``--collector.timeout`` is told with its flag (and the variable that gave it)."""
     for flag, value in (("--collector.interval", args.collector_interval),
                         ("--collector.timeout", args.collector_timeout)):
-        if not 0 < value < math.inf:  # NaN too (see CollectorRunner)
-            raise ValueError(f"{named(args, flag)} must be positive and finite, got {value:g}")
+        check_period(named(args, flag), value)
     options = CollectorOptions(sysfs=args.path_sysfs, procfs=args.path_procfs,
                                net_exclude=args.net_exclude, net_virtual=args.net_virtual)
     names = enabled_names(args)

@@ -58,6 +58,14 @@ class CollectorSpec:
 COLLECTORS: dict[str, CollectorSpec] = {}
 
 
+def check_period(name: str, seconds: float) -> None:
+    """``ValueError`` naming ``name`` unless ``seconds`` is positive and finite. NaN passes
+    "<= 0": a NaN interval made the worker spin without pause and its snapshots never count as
+    fresh; an infinite one ends the worker in Event.wait (OverflowError)."""
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"{name} must be positive and finite, got {seconds:g}")
+
+
 def register(name: str, *, default: bool, help: str):
     """Decorator registering ``factory(options) -> collector`` under ``name``."""
     def deco(factory):
@@ -162,11 +170,8 @@ class CollectorRunner:
 
     def __init__(self, collectors: Mapping[str, object], *, interval: float = 5.0, timeout: float = 2.0,
                  stale_after: float | None = None, clock: Callable[[], float] = time.monotonic):
-        # NaN passes "<= 0": a NaN interval made the worker spin without pause and its snapshots
-        # never count as fresh; an infinite one ends the worker in Event.wait (OverflowError)
-        if not (0 < interval < math.inf and 0 < timeout < math.inf):
-            raise ValueError(f"collector interval and timeout must be positive and finite, "
-                             f"got {interval:g} and {timeout:g}")
+        check_period("collector interval", interval)
+        check_period("collector timeout", timeout)
         self.stale_after = stale_after if stale_after is not None else 3 * interval + timeout
         self.clock = clock
         self._workers = [_Worker(name, c, interval, timeout, clock, RateLimitedLog(name, clock=clock))
