@@ -59,9 +59,10 @@ class Counters:
     ``bump(path, by)`` adds ``by`` to the counter file ``path`` (read once, on its first bump),
     replacing the file whole: a reader never sees it half written (a sysfs attribute reads
     atomically). A port counter (``counters/<name>``) stops at its field's maximum
-    (``PMA_WIDTHS``), as the port's counters saturate; netdev statistics and the ``hw_counters``
-    advanced here (the 64-bit congestion counters) go on. Four system calls a bump, since each one lets other threads take the
-    interpreter lock: the simulator's hardware bumps dozens of files per tick."""
+    (``PMA_WIDTHS``), as the port's counters saturate; netdev statistics and the
+    ``hw_counters`` advanced here (the 64-bit congestion counters) go on. Four system calls a
+    bump, since each one lets other threads take the interpreter lock: the simulator's hardware
+    bumps dozens of files per tick."""
 
     def __init__(self):
         self._values: dict[Path, int] = {}
