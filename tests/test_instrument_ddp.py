@@ -731,6 +731,32 @@ def test_a_device_straggler_is_named_on_the_cuda_clock(sock_path, tmp_path):
 
 
 @pytest.mark.gpu
+def test_an_async_collectives_wait_under_nccl_is_sync_on_the_device(sock_path, tmp_path):
+    """CUDA (skipped without a GPU): one NCCL rank's forward spins ``delay`` on a side stream,
+    launches an ``async_op`` all-reduce there, and waits on its work. Under NCCL ``wait()`` does
+    not block the host: it makes the current stream wait for NCCL's, which waits for the spin.
+    The wrapped ``Work.wait`` marks both sides of it on the current stream, so the device's wait
+    is ``sync``, not the forward's (the host returns at once, so a host clock saw no wait)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    job, steps, delay = "async-nccl", 30, 0.02
+    with daemon_app.DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=sock_path)) as daemon:
+        procs = launch(1, ["--steps", str(steps), "--backend", "nccl", "--async-wait",
+                           "--slow-rank", "0", "--delay", str(delay)],
+                       tmp_path, job, script=CUDA_WORKER, SYNCWATCH_SOCKET=sock_path,
+                       SYNCWATCH_JOB=job, SYNCWATCH_SKEW_EVERY="0")
+        finish(procs, tmp_path, job, timeout=180)
+        m = scrape_until(daemon, lambda m: m.by_rank("syncwatch_steps_total", train_job=job)
+                         == {0: steps})
+    sync = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="sync")[0]
+    forward = m.by_rank("syncwatch_phase_seconds_total", train_job=job, phase="forward")[0]
+    assert sync / steps == pytest.approx(delay, rel=0.3), (sync, forward)
+    assert forward < 0.3 * sync, (sync, forward)
+    # each step: the async all-reduce and DDP's one bucket
+    assert m.by_rank("syncwatch_collective_sequence", train_job=job)[0] >= 2 * steps
+
+
+@pytest.mark.gpu
 def test_zero_code_under_nccl_times_on_the_gpu(daemon, sock_path, tmp_path):
     """CUDA (skipped without a GPU): an unmodified NCCL DDP script, one rank, under
     ``syncwatch-run``. NCCL makes CUDA events the clock by default: the kernel that spins

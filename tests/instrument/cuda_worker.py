@@ -4,7 +4,9 @@ Ranks share the GPUs there are (rank modulo the count) and synchronize over gloo
 CUDA tensors (NCCL refuses two ranks on one GPU), or over NCCL (``--backend nccl``, one rank a
 GPU). ``--slow-rank``'s forward queues a kernel that spins ``--delay`` seconds on the device
 before it calls the model: the host does not wait for it, so a host clock would not see it, and
-the other ranks wait it out in the gradient sync. With ``--instrument explicit`` the script
+the other ranks wait it out in the gradient sync. With ``--async-wait`` the slow rank spins on a
+side stream instead, where each forward also launches an ``async_op`` all-reduce, and then waits
+on its work: the current stream waits there for the spin (NCCL's stream, behind the side one). With ``--instrument explicit`` the script
 times its phases (on CUDA events under gloo with ``SYNCWATCH_DEVICE=cuda``); with ``none`` it
 never imports syncwatch (run under ``syncwatch-run``).
 """
@@ -39,6 +41,7 @@ def main():
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     p.add_argument("--instrument", choices=("explicit", "none"), default="explicit")
+    p.add_argument("--async-wait", action="store_true")
     a = p.parse_args()
 
     dist.init_process_group(a.backend)
@@ -58,12 +61,19 @@ def main():
         sw.register(model)
     phase = sw.phase if sw else (lambda name: contextlib.nullcontext())
     data = torch.Generator(device="cuda").manual_seed(rank)
+    side, flag = torch.cuda.Stream(), torch.ones(1, device="cuda")
     for i in range(a.steps):
         with phase("data"):
             x = torch.randn(32, 128, device="cuda", generator=data)
             y = torch.randn(32, 128, device="cuda", generator=data)
         with phase("forward"):
-            if rank == a.slow_rank:
+            if a.async_wait:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(spin)
+                    work = dist.all_reduce(flag, async_op=True)
+                work.wait()
+            elif rank == a.slow_rank:
                 torch.cuda._sleep(spin)
             loss = nn.functional.mse_loss(model(x), y)
         with phase("backward"):
