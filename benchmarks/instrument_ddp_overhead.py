@@ -50,6 +50,7 @@ time with and without an exchange in flight.
 """
 
 import argparse
+import json
 import os
 import random
 import socket
@@ -209,6 +210,10 @@ def rank_main(a):
     tensors = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(tensors, mine)
     gathered = [t.tolist() for t in tensors]
+    if rank == 0 and a.dump:
+        with open(a.dump, "w") as f:
+            json.dump({"clocks": ["wall", "thread", "process"], "block_steps": a.block_steps,
+                       "ranks": gathered}, f)
     if rank == 0:
         n = a.pairs * a.block_steps
         print(f"arm {a.arm}, {a.wrap}, world {dist.get_world_size()}, hidden {a.hidden}, batch {a.batch}, "
@@ -258,6 +263,8 @@ def main():
                    help="steps per block; one charged flush per block (default 10: ~0.2 s, the "
                         "records thread's period, at this model's ~23 ms steps)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dump", metavar="FILE",
+                   help="write every rank's block times (pairs x clocks x (plain, inst)) as JSON")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--k", type=int, default=50)
