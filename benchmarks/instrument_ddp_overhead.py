@@ -1,7 +1,7 @@
 """End-to-end overhead of the instrumentation on a 4-rank CPU DDP loop, and the skew exchange.
 
     python benchmarks/instrument_ddp_overhead.py [--world 4] [--pairs 150] [--block-steps 10] \
-        [--arm full|auto|noop|same|hook-only|calls-only] [--wrap ddp|fully_shard]
+        [--arm full|auto|noop|same|hook-only|calls-only] [--wrap ddp|fully_shard] [--dump FILE]
 
 Same processes, same run: every rank holds two identical DDP models, one plain (DDP's built-in
 all-reduce, no syncwatch calls) and one "instrumented" (``--arm full``: ``register``, i.e. the
