@@ -164,6 +164,27 @@ def test_one_slow_window_among_few_is_no_fabric_contention(counters):
     assert [f.mode for f in diagnose(v).findings] == ["straggler_persistent", "fabric_contention"]
 
 
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("counters", [False, True])
+def test_a_tiny_collective_inflating_is_no_fabric_contention(seed, counters):
+    """A job on a loaded machine (3 % jitter: transient jitter idles 6 % of its rank-time) whose
+    collective is 1 % of the step (0.2 ms in 20 ms) and doubles in episodes: the excess is 1 % of
+    the step, nothing to act on, yet it read as fabric contention, at 0.9 with fabric counters
+    following it, ahead of the jitter. The same episodes of a collective of 10 % of the step
+    (a 10 % excess) still are contention."""
+    def findings(collective: float) -> list[str]:
+        run = recorded("congestion", seed, collective_seconds=collective, scheduled_congestion_factor=2.0,
+                       jitter=0.03)
+        if counters:
+            base = min(min(s["waits"]) for s in run["steps"])
+            points = [[s["t"] + s["seconds"], 1e6 if min(s["waits"]) > 1.5 * base else 1e3] for s in run["steps"]]
+            run["hardware"] = {"ib_xmit_wait_rate": {f"sim-node-{n:02d}": points for n in range(4)}}
+        return [f.mode for f in diagnose(recording.to_view(run, "test")).findings]
+
+    assert findings(0.01) == ["straggler_transient"]
+    assert sorted(findings(0.1)) == ["fabric_contention", "straggler_transient"]
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_two_nodes_taking_last_arrivals_by_chance_are_no_rotating_straggler(seed):
     """Over two nodes one of them takes more than 60 % of a 10-step window's last arrivals by
