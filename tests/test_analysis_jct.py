@@ -8,6 +8,7 @@ import re
 import pytest
 
 from analysis_helpers import run_cli, run_json
+from syncwatch import cli
 from syncwatch.analysis import checkpoint as ck
 from syncwatch.analysis.collectives import (hierarchical_allreduce_seconds, ring_allreduce_seconds,
                                             transfer_seconds, tree_allreduce_seconds)
@@ -338,6 +339,107 @@ def test_bad_config_file_exits_2(tmp_path, monkeypatch, capsys):
     bad.write_text("nodes: 1.28e+2\nsustained_tflops: 400\nparams: 70e9\ntokens: 2e12\n"
                    "batch_tokens: 4e6\nseq_len: 2048\n")
     assert run_cli(monkeypatch, capsys, ["jct", "--config", str(bad)])[0] == 0
+
+
+_JOB = {"--params": "70G", "--tokens": "2T", "--batch-tokens": "4M", "--seq-len": "4096", "--nodes": "64",
+        "--sustained-tflops": "400"}
+_REFUSAL = ("{} 512 makes 4096 data-parallel replicas (TP 1 x PP 1), but the global batch splits into at "
+            "most 976 (--batch-tokens 4e+06 / --seq-len 4096 / --microbatches 1: a micro-batch holds at "
+            "least one sample): at most 122 nodes")
+
+
+def _job_with(tmp_path, monkeypatch, source: str, flag: str, value: str) -> tuple[list[str], str]:
+    """``_JOB``'s flags with ``flag`` ``value`` given by ``source`` (flag, env or config), and the
+    name its errors must give it."""
+    argv = ["jct", *(a for f, v in _JOB.items() if f != flag for a in (f, v))]
+    if source == "flag":
+        return [*argv, flag, value], flag
+    if source == "env":
+        monkeypatch.setenv(cli.env_name(flag), value)
+        return argv, f"{flag} (from {cli.env_name(flag)})"
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"{flag[2:]}: {value}\n")
+    return [*argv, "--config", str(cfg)], f"{flag} (from {flag[2:]} in {cfg})"
+
+
+@pytest.mark.parametrize("source", ["flag", "env", "config"])
+@pytest.mark.parametrize("flag, value, message", [
+    ("--jitter-cv", "-1", "{} must not be negative"),
+    ("--nodes", "0", "{} must be positive (got 0)"),
+    ("--grad-dtype-bytes", "0", "{} must be positive (got 0.0)"),
+    ("--tokens", "0", "{} must be positive (got 0.0)"),
+    ("--t-drain", "inf", "{} must be a finite number (got inf)"),
+    ("--overlap", "2", "{} is a fraction between 0 and 1"),
+    ("--checkpoint-interval", "often", "{} must be daly, young or seconds (got 'often')"),
+    ("--checkpoint-interval", "-5", "{} must be a positive number of seconds (got '-5')"),
+    ("--checkpoint-stall", "5", "{} must lie between 0 and --checkpoint-seconds"),
+    ("--checkpoint-mode", "later", "{} must be sync or async"),
+    ("--algorithm", "mesh", "{} must be one of ring, tree"),
+    ("--max-nodes", "4", "{} 4 is below --nodes 64 (the sync-wall sweep compares the job's node count "
+                         "with the others up to it)"),
+    ("--tp", "3", "{} 3 must divide --gpus-per-node 8 (tensor parallelism stays inside a node)"),
+    ("--pp", "3", "512 GPUs (--nodes 64 x --gpus-per-node 8) do not split into --tp 1 x {} 3 groups"),
+    ("--nodes", "512", _REFUSAL),
+    ("--seq-len", "65536", "--nodes 64 makes 512 data-parallel replicas (TP 1 x PP 1), but the global batch "
+                           "splits into at most 61 (--batch-tokens 4e+06 / {} 65536 / --microbatches 1: a "
+                           "micro-batch holds at least one sample): at most 7 nodes"),
+])
+def test_a_value_error_names_where_the_value_came_from(tmp_path, monkeypatch, capsys, source, flag, value,
+                                                        message):
+    """Every error named the flag: "--jitter-cv must not be negative" for SYNCWATCH_JITTER_CV=-1 or
+    ``jitter-cv: -1`` in the --config file, a flag the user never typed. It names the flag's
+    environment twin or the config file's key, as the daemon's errors name a twin."""
+    argv, name = _job_with(tmp_path, monkeypatch, source, flag, value)
+    code, out, err = run_cli(monkeypatch, capsys, argv)
+    assert code == 2 and out == ""
+    assert err == f"syncwatch jct: error: {message.format(name)}\n"
+
+
+def test_each_value_of_an_error_is_named_by_its_own_source(tmp_path, monkeypatch, capsys):
+    """The refusal of a node count the batch cannot split over names three values: each by where it
+    came from, a key as the config file spells it."""
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("batch_tokens: 4M\n")
+    monkeypatch.setenv("SYNCWATCH_NODES", "512")
+    code, _, err = run_cli(monkeypatch, capsys, ["jct", "--params", "70G", "--tokens", "2T", "--seq-len", "4096",
+                                                 "--sustained-tflops", "400", "--config", str(cfg)])
+    assert code == 2
+    assert err == ("syncwatch jct: error: --nodes (from SYNCWATCH_NODES) 512 makes 4096 data-parallel replicas "
+                   f"(TP 1 x PP 1), but the global batch splits into at most 976 (--batch-tokens (from "
+                   f"batch_tokens in {cfg}) 4e+06 / --seq-len 4096 / --microbatches 1: a micro-batch holds "
+                   "at least one sample): at most 122 nodes\n")
+
+
+def test_an_unreadable_config_file_names_its_twin(tmp_path, monkeypatch, capsys):
+    missing = tmp_path / "missing.yaml"
+    monkeypatch.setenv("SYNCWATCH_CONFIG", str(missing))
+    code, _, err = run_cli(monkeypatch, capsys, ["jct"])
+    assert code == 2
+    assert err == (f"syncwatch jct: error: cannot read --config (from SYNCWATCH_CONFIG) {missing}: No such file "
+                   "or directory\n")
+    missing.write_text("- 1\n")
+    code, _, err = run_cli(monkeypatch, capsys, ["jct"])
+    assert err == (f"syncwatch jct: error: --config (from SYNCWATCH_CONFIG) {missing} must hold a mapping of "
+                   "flag names to values\n")
+
+
+@pytest.mark.parametrize("source, message", [
+    ("flag", "argument --params: invalid quantity value: '70Q'"),
+    ("env", "SYNCWATCH_PARAMS='70Q': not a number: '70Q' (examples: 70e9, 70G, 1.5T)"),
+    ("config", "{cfg}: params: not a number: '70Q' (examples: 70e9, 70G, 1.5T)"),
+])
+def test_an_unparseable_size_names_where_it_came_from(tmp_path, monkeypatch, capsys, source, message):
+    """The parser refuses a flag's or a twin's value, naming it; the config file's is refused once
+    read, naming the file and the key."""
+    argv, _ = _job_with(tmp_path, monkeypatch, source, "--params", "70Q")
+    if source == "config":
+        code, out, err = run_cli(monkeypatch, capsys, argv)
+    else:
+        with pytest.raises(SystemExit) as e:
+            run_cli(monkeypatch, capsys, argv)
+        code, (out, err) = e.value.code, capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.endswith(f"syncwatch jct: error: {message.format(cfg=tmp_path / 'job.yaml')}\n"), err
 
 
 def test_a_job_failing_faster_than_it_recovers_cannot_finish(monkeypatch, capsys):

@@ -23,6 +23,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -102,54 +103,61 @@ class JobSpec:
             raise AnalysisError("give --grad-bytes (gradient bytes per GPU per step) or --params")
         return self.params / (self.tp * self.pp) * self.grad_dtype_bytes
 
-    def validate(self) -> None:
-        positive = {"nodes": self.nodes, "gpus-per-node": self.gpus_per_node,
-                    "sustained-tflops": self.sustained_tflops, "tp": self.tp, "pp": self.pp,
-                    "microbatches": self.microbatches, "nvlink-gbytes": self.nvlink_gbytes,
-                    "net-gbits": self.net_gbits}
-        for name, v in positive.items():
+    def validate(self, name: Callable[[str], str] = lambda flag: flag) -> None:
+        """Refuse values the estimate cannot take. ``name``: a flag as an error about its value
+        names it; ``spec_from_args`` gives the one naming where the value came from (``--nodes
+        (from SYNCWATCH_NODES)``, ``--nodes (from nodes in job.yaml)``)."""
+        def flag(dest: str) -> str:
+            return name(_flag(dest))
+
+        for dest in ("nodes", "gpus_per_node", "sustained_tflops", "tp", "pp", "microbatches",
+                     "nvlink_gbytes", "net_gbits"):
+            v = getattr(self, dest)
             if v is None or not v > 0:
-                raise AnalysisError(f"--{name} must be positive (got {v})")
-        for name in ("flops", "params", "tokens", "flops_per_token", "steps", "batch_tokens",
+                raise AnalysisError(f"{flag(dest)} must be positive (got {v})")
+        for dest in ("flops", "params", "tokens", "flops_per_token", "steps", "batch_tokens",
                      "seq_len", "grad_bytes", "mtbf_hours"):
-            v = getattr(self, name)
+            v = getattr(self, dest)
             if v is not None and not v > 0:
-                raise AnalysisError(f"--{name.replace('_', '-')} must be positive (got {v})")
+                raise AnalysisError(f"{flag(dest)} must be positive (got {v})")
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, float) and not math.isfinite(v):
-                raise AnalysisError(f"--{f.name.replace('_', '-')} must be a finite number (got {v})")
+                raise AnalysisError(f"{flag(f.name)} must be a finite number (got {v})")
         if not self.grad_dtype_bytes > 0:
-            raise AnalysisError(f"--grad-dtype-bytes must be positive (got {self.grad_dtype_bytes})")
-        for name in ("checkpoint_seconds", "t_drain", "t_provision", "t_download", "t_reinit",
+            raise AnalysisError(f"{flag('grad_dtype_bytes')} must be positive (got {self.grad_dtype_bytes})")
+        for dest in ("checkpoint_seconds", "t_drain", "t_provision", "t_download", "t_reinit",
                      "t_catchup", "jitter_cv", "nvlink_latency_us", "net_latency_us"):
-            if getattr(self, name) < 0:
-                raise AnalysisError(f"--{name.replace('_', '-')} must not be negative")
+            if getattr(self, dest) < 0:
+                raise AnalysisError(f"{flag(dest)} must not be negative")
         if self.max_nodes is not None and self.max_nodes < self.nodes:
-            raise AnalysisError(f"--max-nodes {self.max_nodes} is below --nodes {self.nodes} (the sync-wall "
-                                "sweep compares the job's node count with the others up to it)")
+            raise AnalysisError(f"{flag('max_nodes')} {self.max_nodes} is below {flag('nodes')} {self.nodes} "
+                                "(the sync-wall sweep compares the job's node count with the others up to it)")
         if not 0 <= self.overlap <= 1:
-            raise AnalysisError("--overlap is a fraction between 0 and 1")
+            raise AnalysisError(f"{flag('overlap')} is a fraction between 0 and 1")
         if self.gpus_per_node % self.tp:
-            raise AnalysisError(f"--tp {self.tp} must divide --gpus-per-node {self.gpus_per_node} "
+            raise AnalysisError(f"{flag('tp')} {self.tp} must divide {flag('gpus_per_node')} {self.gpus_per_node} "
                                 "(tensor parallelism stays inside a node)")
         if self.gpus % (self.tp * self.pp):
-            raise AnalysisError(f"{self.gpus} GPUs do not split into TP {self.tp} x PP {self.pp} groups")
+            raise AnalysisError(f"{self.gpus} GPUs ({flag('nodes')} {self.nodes} x {flag('gpus_per_node')} "
+                                f"{self.gpus_per_node}) do not split into {flag('tp')} {self.tp} x {flag('pp')} "
+                                f"{self.pp} groups")
         if self.algorithm not in ALGORITHMS:
-            raise AnalysisError(f"--algorithm must be one of {', '.join(ALGORITHMS)}")
+            raise AnalysisError(f"{flag('algorithm')} must be one of {', '.join(ALGORITHMS)}")
         if self.checkpoint_mode not in ("sync", "async"):
-            raise AnalysisError("--checkpoint-mode must be sync or async")
+            raise AnalysisError(f"{flag('checkpoint_mode')} must be sync or async")
         if self.checkpoint_stall is not None and not 0 <= self.checkpoint_stall <= self.checkpoint_seconds:
-            raise AnalysisError("--checkpoint-stall must lie between 0 and --checkpoint-seconds")
-        interval_seconds(self.checkpoint_interval)
+            raise AnalysisError(f"{flag('checkpoint_stall')} must lie between 0 and {flag('checkpoint_seconds')}")
+        interval_seconds(self.checkpoint_interval, flag("checkpoint_interval"))
         most, dp = self.max_replicas(), self.gpus // (self.tp * self.pp)
         if most is not None and dp > most:
             nodes = int(most * self.tp * self.pp // self.gpus_per_node)
             raise AnalysisError(
-                f"--nodes {self.nodes} makes {plural(dp, 'data-parallel replica')} (TP {self.tp} x PP {self.pp}), but "
-                f"the global batch splits into at most {math.floor(most)} (--batch-tokens {self.batch_tokens:g} / "
-                f"--seq-len {self.seq_len:g} / --microbatches {self.microbatches}: a micro-batch holds at "
-                f"least one sample): at most {plural(nodes, 'node')}")
+                f"{flag('nodes')} {self.nodes} makes {plural(dp, 'data-parallel replica')} (TP {self.tp} x PP "
+                f"{self.pp}), but the global batch splits into at most {math.floor(most)} "
+                f"({flag('batch_tokens')} {self.batch_tokens:g} / {flag('seq_len')} {self.seq_len:g} / "
+                f"{flag('microbatches')} {self.microbatches}: a micro-batch holds at least one sample): "
+                f"at most {plural(nodes, 'node')}")
         self.total_flops(), self.total_steps()
         if self.gpus > self.tp * self.pp:
             self.gradient_bytes()
@@ -178,16 +186,17 @@ class JobSpec:
         return r
 
 
-def interval_seconds(text: str) -> float | None:
-    """``daly`` / ``young`` -> None (optimum), else a fixed interval in seconds."""
+def interval_seconds(text: str, flag: str = "--checkpoint-interval") -> float | None:
+    """``daly`` / ``young`` -> None (optimum), else a fixed interval in seconds; errors name the
+    value ``flag``."""
     if str(text).lower() in ("daly", "young"):
         return None
     try:
         v = float(text)
     except ValueError:
-        raise AnalysisError(f"--checkpoint-interval must be daly, young or seconds (got {text!r})") from None
+        raise AnalysisError(f"{flag} must be daly, young or seconds (got {text!r})") from None
     if not (math.isfinite(v) and v > 0):
-        raise AnalysisError(f"--checkpoint-interval must be a positive number of seconds (got {text!r})")
+        raise AnalysisError(f"{flag} must be a positive number of seconds (got {text!r})")
     return v
 
 
@@ -239,8 +248,10 @@ def reading(efficiency: float) -> str:
     return "balanced (70-85 %)"
 
 
-def estimate(spec: JobSpec, *, with_sync_wall: bool = True) -> Estimate:
-    spec.validate()
+def estimate(spec: JobSpec, *, with_sync_wall: bool = True,
+             name: Callable[[str], str] = lambda flag: flag) -> Estimate:
+    """``name``: as ``JobSpec.validate``'s."""
+    spec.validate(name)
     gpus = spec.gpus
     flops, steps = spec.total_flops(), spec.total_steps()
     rate = gpus * spec.sustained_tflops * 1e12
@@ -418,6 +429,10 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "jct", help="job-completion-time estimate (compute, all-reduce, bubble, checkpoints, failures)",
@@ -430,14 +445,18 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def spec_from_args(args) -> JobSpec:
-    """Merge flags, environment twins and the config file into a ``JobSpec``."""
+def spec_from_args(args) -> tuple[JobSpec, Callable[[str], str]]:
+    """Merge flags, environment twins and the config file into a ``JobSpec``; with it the function
+    that names a flag in an error about its value (``JobSpec.validate``): ``--jitter-cv (from
+    jitter_cv in job.yaml)`` where the config file gave the value (the key as the file spells it),
+    else as ``cli.named`` does."""
     given = set(getattr(args, "_given", ()))
     given |= {_dest(f) for f, *_ in _FLAGS if cli.env_name(f) in os.environ}
     values = {_dest(f): getattr(args, _dest(f)) for f, *_ in _FLAGS}
+    from_config = {}  # flag -> the config file's key that gave its value
     if args.config:
         types = {_dest(f): t for f, t, *_ in _FLAGS}
-        for key, raw in load_config(args.config).items():
+        for key, raw in load_config(args.config, cli.named(args, "--config")).items():
             dest = key.replace("-", "_")
             if dest not in types:
                 raise AnalysisError(f"{args.config}: unknown key {key!r} "
@@ -448,11 +467,17 @@ def spec_from_args(args) -> JobSpec:
                 values[dest] = None if raw is None else _from_config(types[dest], raw)
             except (TypeError, ValueError) as e:
                 raise AnalysisError(f"{args.config}: {key}: {e}") from None
+            from_config[_flag(dest)] = key
     for required in ("nodes", "sustained_tflops"):
         if values[required] is None:
-            raise AnalysisError(f"--{required.replace('_', '-')} is required (flag, environment or --config)")
+            raise AnalysisError(f"{_flag(required)} is required (flag, environment or --config)")
+
+    def name(flag: str) -> str:
+        key = from_config.get(flag)
+        return f"{flag} (from {key} in {args.config})" if key else cli.named(args, flag)
+
     known = {f.name for f in fields(JobSpec)}
-    return JobSpec(**{k: v for k, v in values.items() if k in known})
+    return JobSpec(**{k: v for k, v in values.items() if k in known}), name
 
 
 def _from_config(typ, raw):
@@ -464,24 +489,25 @@ def _from_config(typ, raw):
     return typ(raw)
 
 
-def load_config(path: str) -> dict:
+def load_config(path: str, flag: str) -> dict:
+    """The mapping the file at ``path`` holds; errors name it as ``flag`` (``cli.named``'s)."""
     try:
         text = Path(path).read_text()
     except OSError as e:
-        raise AnalysisError(f"cannot read --config {path}: {e.strerror}") from None
+        raise AnalysisError(f"cannot read {flag} {path}: {e.strerror}") from None
     except UnicodeDecodeError:
-        raise AnalysisError(f"--config {path} is not a text file (YAML or JSON)") from None
+        raise AnalysisError(f"{flag} {path} is not a text file (YAML or JSON)") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:  # on one line: str(e) quotes the line at fault and a caret under it
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = getattr(e, "problem", None) or " ".join(str(e).split())
-        raise AnalysisError(f"--config {path} is not valid YAML/JSON: {problem}{where}") from None
+        raise AnalysisError(f"{flag} {path} is not valid YAML/JSON: {problem}{where}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise AnalysisError(f"--config {path} must hold a mapping of flag names to values")
+        raise AnalysisError(f"{flag} {path} must hold a mapping of flag names to values")
     return data
 
 
@@ -553,8 +579,8 @@ def predicted_text(e: Estimate) -> str:
 
 @command("jct")
 def run(args) -> int:
-    spec = spec_from_args(args)
-    e = estimate(spec)
+    spec, name = spec_from_args(args)
+    e = estimate(spec, name=name)
     if args.json:
         emit_json({"spec": asdict(spec), "estimate": e.to_dict()})
     else:
