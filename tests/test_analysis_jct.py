@@ -423,6 +423,17 @@ def test_an_unreadable_config_file_names_its_twin(tmp_path, monkeypatch, capsys)
                    "flag names to values\n")
 
 
+def test_a_null_in_the_config_file_leaves_its_flag_at_the_default(tmp_path, monkeypatch, capsys):
+    """``jitter-cv: null`` ended in a traceback (a TypeError: None compared with 0), as did a null
+    --checkpoint-interval or --grad-dtype-bytes; null reads as the key left out, as it did for
+    the flags whose default is derived (--flops, --max-nodes)."""
+    argv = ["jct", *(a for f, v in _JOB.items() for a in (f, v))]
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("jitter-cv: null\ncheckpoint-interval: null\ngrad_dtype_bytes: null\nmax-nodes: null\n"
+                   "tp: null\n")
+    assert run_json(monkeypatch, capsys, [*argv, "--config", str(cfg)]) == run_json(monkeypatch, capsys, argv)
+
+
 @pytest.mark.parametrize("source, message", [
     ("flag", "argument --params: invalid quantity value: '70Q'"),
     ("env", "SYNCWATCH_PARAMS='70Q': not a number: '70Q' (examples: 70e9, 70G, 1.5T)"),

@@ -461,10 +461,10 @@ def spec_from_args(args) -> tuple[JobSpec, Callable[[str], str]]:
             if dest not in types:
                 raise AnalysisError(f"{args.config}: unknown key {key!r} "
                                     f"(known: {', '.join(sorted(types))})")
-            if dest in given:
+            if dest in given or raw is None:  # null: the key left out, the flag at its default
                 continue
             try:
-                values[dest] = None if raw is None else _from_config(types[dest], raw)
+                values[dest] = _from_config(types[dest], raw)
             except (TypeError, ValueError) as e:
                 raise AnalysisError(f"{args.config}: {key}: {e}") from None
             from_config[_flag(dest)] = key
