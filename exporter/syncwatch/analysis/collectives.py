@@ -21,11 +21,6 @@ import math
 ALGORITHMS = ("ring", "tree")
 
 
-def transfer_seconds(nbytes: float, bandwidth: float, latency: float = 0.0) -> float:
-    """One point-to-point message: ``alpha + n / beta`` (bandwidth in bytes per second)."""
-    return latency + nbytes / bandwidth
-
-
 def ring_allreduce_seconds(nbytes: float, ranks: int, bandwidth: float, latency: float = 0.0) -> float:
     """``2 (P - 1) (alpha + n / (P beta))``; zero for a single rank."""
     if ranks <= 1:

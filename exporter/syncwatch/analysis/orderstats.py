@@ -50,37 +50,3 @@ def expected_normal_max(n: int) -> float:
     """``E[max of n standard normals]``: 0 for n = 1, 0.564 for 2, 1.42 for 8, 3.97 for 16,384."""
     return normal_max_moments(n)[0]
 
-
-def max_quantiles(cdf_points: list[tuple[float, float]], power: float) -> list[tuple[float, float]]:
-    """The CDF of the maximum of ``power`` independent copies: ``F(t) ** power`` at each point."""
-    return [(t, p ** power) for t, p in cdf_points]
-
-
-def cdf_moments(cdf_points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(mean, standard deviation) of a distribution given as CDF points ``(t, F(t))``, increasing.
-
-    Linear interpolation between points (uniform mass inside each interval); mass below the first
-    point sits at it, and the last point must have ``F = 1``.
-    """
-    if not cdf_points:
-        raise ValueError("empty distribution")
-    m1 = m2 = 0.0
-    prev_t, prev_p = cdf_points[0][0], 0.0
-    first = True
-    for t, p in cdf_points:
-        mass = p - prev_p
-        if mass > 0:
-            if first:
-                m1 += mass * t
-                m2 += mass * t * t
-            else:
-                # uniform on [prev_t, t]
-                m1 += mass * (prev_t + t) / 2
-                m2 += mass * (prev_t * prev_t + prev_t * t + t * t) / 3
-        first = False
-        prev_t, prev_p = t, p
-    total = prev_p
-    if total <= 0:
-        raise ValueError("distribution has no mass")
-    mean = m1 / total
-    return mean, math.sqrt(max(0.0, m2 / total - mean * mean))
