@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime
 from html import escape
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from .common import AnalysisError, command, ms, pct, plural
 from .diagnose import Diagnosis, diagnose, estimate_mark
 from .project import ESTIMATE_NOTE, Options, measurement, projection
 from .source import add_source_flags, view_from_args
-from .view import CONGESTION_SERIES, JobView
+from .view import CONGESTION_SERIES, JobView, fmt_time
 
 SECTIONS = ("diagnosis", "scores", "straggler-map", "hardware", "projection")
 
@@ -46,7 +45,7 @@ def build(view: JobView, run_data: dict | None, proj_options: Options = Options(
     body = [
         f"<h1>syncwatch report: {escape(view.job)}</h1>",
         f'<p class="meta">{plural(len(view.rank_node), "rank")} on {plural(len(view.nodes), "node")} · '
-        f"{_when(view.start)} – {_when(view.end)} · {plural(len(view.times), 'window')} of {view.window:.1f} s · "
+        f"{fmt_time(view.start)} – {fmt_time(view.end)} · {plural(len(view.times), 'window')} of {view.window:.1f} s · "
         f"source {escape(view.source)} · syncwatch {__version__}</p>",
         _diagnosis_section(d), _scores_section(view), _straggler_section(view),
         _hardware_section(view), _projection_section(proj, proj_error),
@@ -58,10 +57,6 @@ def build(view: JobView, run_data: dict | None, proj_options: Options = Options(
                "findings": [f.mode for f in d.findings], "svg": html.count("<svg"),
                "projection": proj is not None}
     return html, summary
-
-
-def _when(t: float) -> str:
-    return datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
 
 
 def _section(key: str, title: str, inner: str) -> str:
