@@ -26,7 +26,6 @@ _REGEX_SPECIAL = re.compile(r"([\\^$*+?.()|{}\[\]])")
 class PanelQuery:
     dashboard: str      # dashboard uid
     panel: str          # panel title
-    panel_type: str
     ref_id: str
     expr: str
     instant: bool
@@ -50,7 +49,7 @@ def panels(dashboard: dict) -> list[dict]:
 
 
 def panel_queries(dashboard: dict) -> list[PanelQuery]:
-    return [PanelQuery(dashboard["uid"], p["title"], p["type"], t["refId"], t["expr"],
+    return [PanelQuery(dashboard["uid"], p["title"], t["refId"], t["expr"],
                        bool(t.get("instant")) and not t.get("range"), t.get("legendFormat", ""))
             for p in panels(dashboard) for t in p.get("targets") or []]
 

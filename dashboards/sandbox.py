@@ -71,7 +71,6 @@ class Sandbox:
         self.workdir = Path(tempfile.mkdtemp(prefix="sw-box-", dir="/tmp"))  # short: socket paths
         self.daemons: list = []           # DaemonThread, one per simulated node
         self.urls: list[str] = []         # their /metrics base URLs
-        self.runners: list = []
         self.sims: list = []
         self.prometheus = None
         self.started_at = 0.0
