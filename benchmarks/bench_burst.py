@@ -20,7 +20,6 @@ import os
 import socket
 import threading
 import time
-import urllib.request
 
 from _common import DaemonProcess, encoder, machine, parse_args, step_record
 
@@ -112,8 +111,7 @@ def preload_and_scrape(d: DaemonProcess, stop: threading.Event) -> None:
         for e in encs:
             sock.send(step_record(e, step))
     while not stop.is_set():
-        with urllib.request.urlopen(d.url + "/metrics") as r:
-            r.read()
+        d.metrics()
 
 
 def run(mode: str, transport: str, scraping: bool = False) -> tuple[int, int, int]:
