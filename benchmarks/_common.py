@@ -32,11 +32,11 @@ def parse_args(doc: str, parser: argparse.ArgumentParser | None = None) -> argpa
 class DaemonProcess:
     """``syncwatch daemon`` in its own process, on a fresh socket path and a free port."""
 
-    def __init__(self, udp: bool = False, *flags: str):
+    def __init__(self, udp: bool = False):
         self.socket = os.path.join(tempfile.mkdtemp(prefix="sw-bench-"), "ingest.sock")
         env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "exporter"))
         cmd = [sys.executable, "-m", "syncwatch", "daemon", "--listen", "127.0.0.1:0", "--socket",
-               self.socket, "--log-level", "info", *flags]
+               self.socket, "--log-level", "info"]
         if udp:
             cmd += ["--udp", "127.0.0.1:0"]
         self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
