@@ -20,12 +20,10 @@ from syncwatch.protocol import PHASES, Cumulative, Encoder, Identity  # noqa: E4
 WALL0 = 1_800_000_000.0
 
 
-def parse_args(doc: str, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """The benchmark's ``--help`` (its docstring) and arguments: a benchmark without options
-    still answers ``--help`` instead of running in full."""
-    parser = parser or argparse.ArgumentParser()
-    parser.description = doc
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+def parse_args(doc: str) -> argparse.Namespace:
+    """The benchmark's ``--help`` (its docstring): a benchmark without options still answers
+    ``--help`` instead of running in full."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     return parser.parse_args()
 
 
