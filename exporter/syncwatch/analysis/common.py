@@ -90,12 +90,11 @@ def human_seconds(s: float | None) -> str:
     return f"{m}m {sec}s"
 
 
-def plural(n: float, noun: str, fmt: str = "", many: str | None = None) -> str:
+def plural(n: float, noun: str, fmt: str = "") -> str:
     """``n`` and its noun in agreement: ``1 rank``, ``4 ranks``, ``1 node``; ``fmt`` formats ``n``
-    (``",.0f"``: ``1,024``), and a count that reads "1" once formatted takes the singular;
-    ``many``: the plural where it is not the noun and an s."""
+    (``",.0f"``: ``1,024``), and a count that reads "1" once formatted takes the singular."""
     text = format(n, fmt)
-    return f"{text} {noun if text == '1' else many or noun + 's'}"
+    return f"{text} {noun if text == '1' else noun + 's'}"
 
 
 def pct(x: float | None) -> str:

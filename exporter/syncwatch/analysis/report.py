@@ -33,12 +33,12 @@ th{background:#f3f3f3}.meta{color:#666;font-size:13px}svg{display:block;margin:8
 .note{color:#666;font-size:13px}"""
 
 
-def build(view: JobView, run_data: dict | None, proj_options: Options = Options()) -> tuple[str, dict]:
+def build(view: JobView, run_data: dict | None) -> tuple[str, dict]:
     """(HTML, a JSON-able summary of what it holds)."""
     d = diagnose(view)
     try:
         m = measurement(view, run_data)
-        proj = projection(m, [2 * m.nodes, 4 * m.nodes, 8 * m.nodes, 16 * m.nodes], proj_options, 64 * m.nodes)
+        proj = projection(m, [2 * m.nodes, 4 * m.nodes, 8 * m.nodes, 16 * m.nodes], Options(), 64 * m.nodes)
         proj_error = None
     except AnalysisError as e:
         proj, proj_error = None, str(e)
