@@ -76,7 +76,7 @@ async def serve(config: DaemonConfig, extra_collectors: Sequence = ()) -> None:
         await daemon.stop()
 
 
-def run(args: argparse.Namespace, extra_collectors: Sequence = ()) -> int:
+def run(args: argparse.Namespace) -> int:
     # The reader threads share the GIL with the render thread; a 1 ms switch interval (default
     # 5 ms) lets a reader woken by a datagram in sooner while a large scrape renders.
     sys.setswitchinterval(0.001)
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace, extra_collectors: Sequence = ()) -> int:
                              f"got {args.log_level!r}") from None
         config = config_from_args(args)
         runner = collectors.runner_from_args(args)  # hardware collectors; None when all are off
-        asyncio.run(serve(config, [*extra_collectors, *([runner] if runner else [])]))
+        asyncio.run(serve(config, [runner] if runner else ()))
     except (OSError, ValueError) as e:
         print(f"syncwatch daemon: {e}", file=sys.stderr)
         return 2

@@ -82,12 +82,12 @@ class NodeHardware:
         self.port = sysfs_tree.ib_port(root, HCA, 1, link_layer="Ethernet")
         self.counters = sysfs_tree.Counters()
 
-    def collectors(self, interval: float, timeout: float = 2.0) -> CollectorRunner:
+    def collectors(self, interval: float) -> CollectorRunner:
         """The daemon's ``extra_collectors`` entry: the real GPU, NIC and InfiniBand collectors."""
         root = str(self.root)
         return CollectorRunner({"gpu": GpuCollector(nvml=self.nvml), "net": NetCollector(sysfs=root),
                                 "infiniband": InfinibandCollector(sysfs=root)},
-                               interval=interval, timeout=timeout)
+                               interval=interval)
 
     def set_gpu(self, local: int, heat: float, slowdown: float) -> None:
         """GPU ``local`` at ``heat`` (-1..1), computing ``slowdown`` x slower than nominal."""
