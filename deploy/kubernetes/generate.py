@@ -47,9 +47,9 @@ def _name(stem: str) -> str:
     return "syncwatch-" + stem.lower().replace("_", "-").replace(".", "-")
 
 
-def prometheus_rules(root: Path = ROOT) -> list[dict]:
+def prometheus_rules() -> list[dict]:
     objects = []
-    for path in sorted((root / "alerts").glob("*.rules.yml")):
+    for path in sorted((ROOT / "alerts").glob("*.rules.yml")):
         groups = yaml.safe_load(path.read_text())["groups"]
         objects.append({
             "apiVersion": "monitoring.coreos.com/v1",
@@ -60,9 +60,9 @@ def prometheus_rules(root: Path = ROOT) -> list[dict]:
     return objects
 
 
-def dashboard_configmaps(root: Path = ROOT) -> list[dict]:
+def dashboard_configmaps() -> list[dict]:
     objects = []
-    for path in sorted((root / "dashboards" / "json").glob("*.json")):
+    for path in sorted((ROOT / "dashboards" / "json").glob("*.json")):
         objects.append({
             "apiVersion": "v1",
             "kind": "ConfigMap",
@@ -73,11 +73,11 @@ def dashboard_configmaps(root: Path = ROOT) -> list[dict]:
     return objects
 
 
-def render(root: Path = ROOT) -> dict[Path, str]:
+def render() -> dict[Path, str]:
     """Output file -> its content."""
     return {
-        HERE / "prometheusrule.yaml": _dump(prometheus_rules(root), "alerts/*.rules.yml"),
-        HERE / "dashboards.yaml": _dump(dashboard_configmaps(root), "dashboards/json/*.json"),
+        HERE / "prometheusrule.yaml": _dump(prometheus_rules(), "alerts/*.rules.yml"),
+        HERE / "dashboards.yaml": _dump(dashboard_configmaps(), "dashboards/json/*.json"),
     }
 
 
