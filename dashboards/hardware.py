@@ -66,6 +66,16 @@ def build() -> db.Dashboard:
               query(f'train_job:syncwatch_coupling:ratio5m{{{JOB}}}', "coupling"),
               unit="percentunit", w=8)
         .min(0))
+    # RDMA (NCCL over InfiniBand or RoCE) bypasses the network device: only the port counts it.
+    rdma_rx = 'syncwatch_ib_port_data_bytes_total{direction="receive"}'
+    rdma_tx = 'syncwatch_ib_port_data_bytes_total{direction="transmit"}'
+    # The port errors SyncwatchIbLinkErrors reads besides link-downed, one series per counter
+    # (label_replace: their increases share a label set, and `or` kept the first only).
+    ib_errors = " or ".join(
+        f'label_replace(increase(syncwatch_ib_{counter}_total[{RATE}]), "counter", "{name}", "", "")'
+        for counter, name in (("symbol_errors", "symbol errors"), ("port_rcv_errors", "receive errors"),
+                              ("link_integrity_errors", "link integrity errors"),
+                              ("buffer_overrun_errors", "buffer overruns")))
     return (
         dashboard(UID, "syncwatch / Hardware coupling",
                   "Is it the hardware? GPU state per node beside the lateness of its ranks; fabric "
@@ -124,23 +134,32 @@ def build() -> db.Dashboard:
         .with_panel(sync_tax)
         .with_panel(
             panel(timeseries.Panel(), "NIC throughput",
-                  "Bytes per second received (positive) and transmitted (negative) per node and "
-                  "device. Gradient traffic is bursty and equal across nodes; one node lower than "
-                  "the rest in every burst is late or has a degraded link.",
+                  "Bytes per second received (positive) and transmitted (negative) per node: by "
+                  "each network device (the host's IP traffic: data loading, checkpoints, "
+                  "collectives over TCP sockets) and by each InfiniBand / RoCE port (device/port: "
+                  "RDMA, the gradient collectives of NCCL over InfiniBand or RoCE, which the "
+                  "network device's counters never see). Gradient traffic is bursty and equal "
+                  "across nodes; one node lower than the rest in every burst is late or has a "
+                  "degraded link.",
                   query(_rate("syncwatch_nic_receive_bytes_total"), "{{node}} {{device}} rx"),
                   query(f'-{_rate("syncwatch_nic_transmit_bytes_total")}', "{{node}} {{device}} tx"),
+                  query(_rate(rdma_rx, "node, device, port"), "{{node}} {{device}}/{{port}} rx"),
+                  query(f'-{_rate(rdma_tx, "node, device, port")}', "{{node}} {{device}}/{{port}} tx"),
                   unit="Bps", w=8))
         .with_panel(
             panel(timeseries.Panel(), "NIC errors, drops and link flaps",
-                  "Errors and drops per second per node and device, and carrier changes (link flaps) "
-                  "and InfiniBand link-downed events per interval. Anything above zero during a sync "
-                  "tax rise is a fabric suspect.",
+                  "Errors and drops per second per node and device, and carrier changes (link flaps), "
+                  "InfiniBand link-downed events and InfiniBand port errors (symbol, receive, link "
+                  "integrity, buffer overrun: with link-downed, what SyncwatchIbLinkErrors reads) "
+                  "per interval. Anything above zero during a sync tax rise is a fabric suspect.",
                   query(_rate("syncwatch_nic_errors_total"), "{{node}} {{device}} errors"),
                   query(_rate("syncwatch_nic_drops_total"), "{{node}} {{device}} drops"),
                   query(f'sum by (node, device) (increase(syncwatch_nic_carrier_changes_total[{RATE}]) {ON_DAEMON})',
                         "{{node}} {{device}} flaps"),
                   query(f'sum by (node, device) (increase(syncwatch_ib_link_downed_total[{RATE}]) {ON_DAEMON})',
                         "{{node}} {{device}} IB link down"),
+                  query(f'sum by (node, device, port, counter) (({ib_errors}) {ON_DAEMON})',
+                        "{{node}} {{device}}/{{port}} {{counter}}"),
                   unit="short", w=8)
             .min(0))
         .with_panel(

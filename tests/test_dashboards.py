@@ -538,6 +538,38 @@ def test_throttle_reasons_show_only_the_reasons_that_slow_a_gpu_down(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus)")
+def test_fabric_panels_show_the_rdma_traffic_and_every_ib_link_error(tmp_path):
+    """NCCL over InfiniBand or RoCE moves the gradients by RDMA, which the netdev's byte counters
+    never see: NIC throughput showed only the host's IP traffic (data loading), not the gradient
+    traffic its description spoke of, while the port's data counters went unread. And of the five
+    counters SyncwatchIbLinkErrors pages on, the errors panel showed only link-downed: a port
+    counting symbol errors paged with every panel at zero."""
+    uid = "syncwatch-hardware"
+    series = _hardware_daemons(("a",))
+    port = 'device="mlx5_0", port="1", instance="a:9477"'
+    series[f'syncwatch_ib_port_data_bytes_total{{{port}, direction="receive"}}'] = "0+15000000000x20"
+    series[f'syncwatch_ib_port_data_bytes_total{{{port}, direction="transmit"}}'] = "0+30000000000x20"
+    series[f'syncwatch_ib_symbol_errors_total{{{port}}}'] = "0+3x20"
+    for counter in ("port_rcv_errors", "link_integrity_errors", "buffer_overrun_errors", "link_downed"):
+        series[f'syncwatch_ib_{counter}_total{{{port}}}'] = "0x20"
+    nic = {q.ref_id: q.expr for q in queries.panel_queries(DASHBOARDS[uid]) if q.panel == "NIC throughput"}
+    rdma = [ref for ref, e in nic.items() if "syncwatch_ib_port_data_bytes_total" in e]
+    assert len(rdma) == 2, "NIC throughput: the ports' RDMA receive and transmit"
+    where = '{node="a", device="mlx5_0", port="1"}'
+    errors = next(q for q in queries.panel_queries(DASHBOARDS[uid])
+                  if q.panel == "NIC errors, drops and link flaps" and "syncwatch_ib_symbol_errors_total" in q.expr)
+    ib_errors = _panel_expr(uid, errors.panel, errors.ref_id, node=None)
+    _promtool_expect(tmp_path, series, [
+        (_panel_expr(uid, "NIC throughput", rdma[0], node=None), "2m", [{"labels": where, "value": 1e9}]),
+        (_panel_expr(uid, "NIC throughput", rdma[1], node=None), "2m", [{"labels": where, "value": -2e9}]),
+        (ib_errors, "2m", [
+            {"labels": where[:-1] + f', counter="{c}"}}', "value": v}
+            for c, v in (("symbol errors", 12), ("receive errors", 0), ("link integrity errors", 0),
+                         ("buffer overruns", 0))]),
+    ])
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus)")
 def test_xid_table_keeps_a_gone_gpu_apart_from_the_one_now_at_its_index(tmp_path):
     """GPU-a3 logged XID 79 and fell off the bus; NVML, initialized again, lists GPU-a4 as index 3,
     and it logs XID 79 too. The daemon keeps the gone GPU's XIDs under its last index: both
