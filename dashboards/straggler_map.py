@@ -117,8 +117,11 @@ def build() -> db.Dashboard:
         .with_panel(
             panel(timeseries.Panel(), "Collective sequence lag per rank",
                   "How many collectives each rank is behind the most advanced rank of the job. "
-                  "All zero is healthy. In a hang, the rank whose line rises (or stays above zero) "
-                  "is the one behind: the others are blocked in a collective it never entered.",
+                  "Each node's daemon is scraped at its own moment, so in a running job the lines "
+                  "of a node move together between zero and the collectives the job runs between "
+                  "two scrapes: not a rank behind. In a hang the sequences stop and the lag holds: "
+                  "the rank whose line stays above zero while the others sit at zero is the one "
+                  "behind: the others are blocked in a collective it never entered.",
                   query(f'max by (train_job) ({sequence}) - on (train_job) group_right () '
                         f'(syncwatch_collective_sequence{{{RANKS}}} {ON_NODE})', "rank {{rank}}"),
                   query(f'max by (train_job) ({sequence}) - min by (train_job) ({sequence})',
