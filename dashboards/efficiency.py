@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import stat, timeseries
+from syncwatch.rules.thresholds import THRESHOLDS
 
 from .common import (JOB, RATE, dashboard, estimated, legend_table, panel, query,
                      thresholds, train_job_variable, unit_override)
@@ -95,9 +96,13 @@ def build() -> db.Dashboard:
         .with_row(db.Row("Energy"))
         .with_panel(
             panel(timeseries.Panel(), "Energy per sample",
-                  "Joules the job's GPUs spend per sample processed (5 m). Rising while throughput "
-                  "is flat: energy outpacing output (waiting GPUs still draw power).",
+                  "Joules the job's GPUs spend per sample processed (5 m), and its trailing "
+                  "baseline (its 1 h average ending 35 m ago; none in a job's first 40 m). Rising "
+                  "while throughput is flat: energy outpacing output (waiting GPUs still draw "
+                  f"power). Above {THRESHOLDS.energy_warn:g}x the baseline for 30 m "
+                  "SyncwatchEnergyOutpacingOutput warns.",
                   query(f'train_job:syncwatch_energy_per_sample:joules5m{{{JOB}}}', "J / sample"),
+                  query(f'train_job:syncwatch_energy_per_sample:baseline1h{{{JOB}}}', "baseline"),
                   unit="joule", w=6)
             .min(0))
         .with_panel(

@@ -142,6 +142,18 @@ def test_panels_showing_a_share_show_percent(uid):
             assert p["fieldConfig"]["defaults"].get("unit") == "percentunit", p["title"]
 
 
+def test_efficiency_alerts_read_series_the_efficiency_dashboard_shows():
+    """Each recorded series an efficiency alert reads, its value and the baseline it compares
+    against, is on a panel of the Efficiency dashboard: Energy per sample showed the 5 m value
+    without the trailing baseline SyncwatchEnergyOutpacingOutput divides by (the runbook said
+    "no panel: query it"), so the rise that paged could not be seen."""
+    rules = yaml.safe_load((ROOT / "alerts" / "efficiency.rules.yml").read_text())
+    shown = " ".join(q.expr for q in queries.panel_queries(DASHBOARDS["syncwatch-efficiency"]))
+    for rule in rules["groups"][0]["rules"]:
+        for record in set(re.findall(r"train_job:syncwatch_[\w:]+", rule["expr"])):
+            assert record in shown, f"{rule['alert']} reads {record}, which no panel shows"
+
+
 def _colour_at(p: dict, value: float) -> str:
     steps = p["fieldConfig"]["defaults"]["thresholds"]["steps"]
     return [s["color"] for s in steps if s["value"] is None or s["value"] <= value][-1]
