@@ -12,9 +12,11 @@ from .common import (JOB, RATE, dashboard, legend_table, panel, query, threshold
 
 UID = "syncwatch-job-overview"
 
-#: Red where the rules warn: coupling at SyncwatchCouplingHigh (the sync tax has no alert and
-#: shares its colours).
+#: Red where the rules warn: coupling at SyncwatchCouplingHigh.
 _SCORE_THRESHOLDS = thresholds((None, "green"), (0.1, "orange"), (THRESHOLDS.coupling_warn, "red"))
+#: The sync tax has no alert and includes the transfer itself (15 % of a healthy simulated job's
+#: step): one neutral colour, no warning that no rule backs.
+_NO_ALERT = thresholds((None, "blue"))
 #: Orange above the calibrated healthy range (docs/rules.md: healthy < 0.2), red at SyncwatchJobUnstable.
 _INSTABILITY_THRESHOLDS = thresholds((None, "green"), (0.2, "orange"), (THRESHOLDS.instability_warn, "red"))
 
@@ -59,8 +61,10 @@ def build() -> db.Dashboard:
         .with_panel(_score(
             "Sync tax",
             "Share of step time spent inside gradient synchronization (sync phase / step time, "
-            "5 m). It includes the transfer itself; coupling is the part of it that is pure waiting.",
-            f'train_job:syncwatch_sync_tax:ratio5m{{{JOB}}}'))
+            "5 m). It includes the transfer itself; coupling is the part of it that is pure waiting. "
+            "No alert reads it: its level depends on the model and the fabric, so it has no "
+            "warning colour; compare it with its own history (panels below).",
+            f'train_job:syncwatch_sync_tax:ratio5m{{{JOB}}}', _NO_ALERT))
         .with_panel(
             panel(stat.Panel(), "Straggler concentration",
                   "Largest share of last arrivals held by one rank (10 m). 1/N (world size) means "
