@@ -164,7 +164,6 @@ def test_one_slow_window_among_few_is_no_fabric_contention(counters):
     assert [f.mode for f in diagnose(v).findings] == ["straggler_persistent", "fabric_contention"]
 
 
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("counters", [False, True])
 def test_a_tiny_collective_inflating_is_no_fabric_contention(seed, counters):
@@ -184,6 +183,7 @@ def test_a_tiny_collective_inflating_is_no_fabric_contention(seed, counters):
 
     assert findings(0.01) == ["straggler_transient"]
     assert sorted(findings(0.1)) == ["fabric_contention", "straggler_transient"]
+
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_two_nodes_taking_last_arrivals_by_chance_are_no_rotating_straggler(seed):
