@@ -15,6 +15,7 @@ from analysis_helpers import SCENARIO_MODES, run_cli, run_json
 from conftest import subprocess_env
 from syncwatch.analysis import recording
 from syncwatch.analysis.diagnose import diagnose, summary
+from syncwatch.analysis.view import fmt_time
 
 sim = pytest.importorskip("syncwatch.sim.scenarios", reason="the simulator (syncwatch.sim) is not in this checkout")
 
@@ -705,6 +706,10 @@ def test_cli_errors_exit_2(tmp_path, monkeypatch, capsys):
         (["--prometheus", "http://127.0.0.1:9", "--job", "x", "--window", "0"], "--window must be a positive"),
         (["--prometheus", "http://127.0.0.1:9", "--job", "x", "--start", "nan"], "cannot read time 'nan'"),
         (["--prometheus", "http://127.0.0.1:9", "--job", "x", "--end", "inf"], "cannot read time 'inf'"),
+        # said "end 1795821600 is not after start 1795821660": raw seconds, where the other
+        # messages give times as RFC 3339
+        (["--prometheus", "http://127.0.0.1:9", "--job", "x", "--start", "1795821660", "--end", "1795821600"],
+         f"empty time range: --end {fmt_time(1795821600)} is not after --start {fmt_time(1795821660)}"),
     ]
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "something-else"}')

@@ -308,7 +308,7 @@ def parse_time(text: str, now: float | None = None) -> float:
 def windows(start: float, end: float, min_window: float) -> tuple[float, list[float]]:
     """(window seconds, window end times): at most ``MAX_WINDOWS`` windows of at least ``min_window``."""
     if end <= start:
-        raise AnalysisError(f"empty time range: end {end:.0f} is not after start {start:.0f}")
+        raise AnalysisError(f"empty time range: --end {fmt_time(end)} is not after --start {fmt_time(start)}")
     width = max(min_window, (end - start) / MAX_WINDOWS)
     n = max(1, int((end - start) // width))
     width = (end - start) / n
