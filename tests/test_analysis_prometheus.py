@@ -244,12 +244,14 @@ def test_a_straggler_s_slack_is_taken_over_the_steps_it_covers(prom, monkeypatch
 def test_a_range_shorter_than_one_exchange_period_is_refused(prom, monkeypatch, capsys):
     """A job with the exchange on, read over 12 s between two of its landings: no slack and no
     last arrivals in range. It read as "exact skew exchange off", its coupling estimated from
-    mean waits; it is refused with what to do instead."""
+    mean waits; it is refused with what to do instead. (It said the range was "shorter than one
+    exchange period": a 3 s range at 2 s scrapes read that period as about 2 s; what the range
+    lacks is two landings.)"""
     code, out, err = run_cli(monkeypatch, capsys, [
         "diagnose", "--prometheus", prom, "--job", "exchange-20s", "--start", f"{T0 + 302}",
         "--end", f"{T0 + 314}"])
     assert code == 2 and out == ""
-    assert "shorter than one exchange period (about 20 s)" in err and "widen the range" in err
+    assert "once per exchange period (about 20 s)" in err and "widen the range" in err
     assert "Traceback" not in err
 
 

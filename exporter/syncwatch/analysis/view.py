@@ -381,8 +381,8 @@ def from_prometheus(prom: Prometheus, job: str, start: float, end: float,
                                 "30 s of them), the first only as a second follows it; read the job again "
                                 "once it has run for a few periods")
         raise AnalysisError(f"no skew-exchange result for train job {job!r} between {fmt_time(start)} and "
-                            f"{fmt_time(end)}: the range is shorter than one exchange period{about}, and "
-                            "slack and last arrivals land once per period; widen the range")
+                            f"{fmt_time(end)}: slack and last arrivals land once per exchange period{about}, "
+                            "and the range holds fewer than the two landings an increase needs; widen the range")
 
     def job_series(expr: str) -> list[float | None]:
         res = per_window(expr)
