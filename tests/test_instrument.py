@@ -2783,7 +2783,7 @@ def test_a_step_with_two_gradient_syncs_waits_their_sum(rx, ddp_world1, path):
         m.shutdown()
 
 
-def test_with_unused_parameters_allowed_the_first_8_are_watched(rx, ddp_world1):
+def test_with_unused_parameters_allowed_the_first_and_last_4_are_watched(rx, ddp_world1):
     """With ``find_unused_parameters`` the first parameter may get no gradient: the wait is
     still measured through another watched one."""
     torch = ddp_world1
@@ -2806,7 +2806,8 @@ def test_with_unused_parameters_allowed_the_first_8_are_watched(rx, ddp_world1):
         torch.manual_seed(0)
         ddp = torch.nn.parallel.DistributedDataParallel(Branchy(), find_unused_parameters=True)
         sw.register(ddp, collectives=False)
-        assert [bool(p._post_accumulate_grad_hooks) for p in ddp.parameters()] == [True] * 8 + [False] * 4
+        assert [bool(p._post_accumulate_grad_hooks) for p in ddp.parameters()] == (
+            [True] * 4 + [False] * 4 + [True] * 4)
         x = torch.randn(4, 8)
         for skip in (False, True):
             with m.phase("backward"):
@@ -2815,6 +2816,37 @@ def test_with_unused_parameters_allowed_the_first_8_are_watched(rx, ddp_world1):
         r1, r2 = steps(rx, 2)
         assert r1.wait_seconds > 0 and r1.collective_sequence == 1
         assert r2.wait_seconds > 0 and r2.collective_sequence == 2  # self.skipped got no gradient
+    finally:
+        _state.set_monitor(None)
+        m.shutdown()
+
+
+def test_a_backbone_frozen_after_wrapping_still_has_its_wait_measured(rx, ddp_world1):
+    """Fine-tuning that freezes the backbone for its first steps (or a linear probe) after
+    wrapping, with ``find_unused_parameters``: the watched parameters were the first 8, the
+    backbone's, which got no gradient, and every such step recorded no wait: the wait read as
+    ``backward`` and the exchange saw no slack. The last parameters (the head) are watched too."""
+    torch = ddp_world1
+    import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
+    m = make_monitor(rx)
+    _state.set_monitor(m)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])  # 12 parameters
+        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        sw.register(ddp, collectives=False)
+        ddp.register_comm_hook(None, late_allreduce_hook)  # the all-reduce ends 50 ms late
+        x = torch.randn(4, 8)
+        for frozen in (True, False):
+            for p in model[:5].parameters():  # all but the head
+                p.requires_grad_(not frozen)
+            train_step(m, ddp, torch, x)
+        r1, r2 = steps(rx, 2)
+        for r in (r1, r2):
+            assert 0.04 <= r.wait_seconds < 0.2 and r.wait_seconds == phase(r, "sync")
+            assert r.collective_sequence >= 1
+        assert r2.totals.internal_errors == 0
     finally:
         _state.set_monitor(None)
         m.shutdown()

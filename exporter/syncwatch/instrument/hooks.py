@@ -1,8 +1,8 @@
 """How the gradient wait of a DDP model is measured, and the ``torch.distributed`` wrappers.
 
 Default, hook-free (``watch_gradients``): DDP keeps its built-in C++ all-reduce. A
-post-accumulate-grad hook on the model's first parameter that requires grad (or its first few,
-where DDP allows unused parameters) queues a callback on the autograd engine once per backward. Final callbacks run
+post-accumulate-grad hook on the model's first parameter that requires grad (or its first and
+last few, where DDP allows unused parameters) queues a callback on the autograd engine once per backward. Final callbacks run
 in FIFO order after backward's last node: this first callback marks "gradients ready" (all of
 the backward's compute is done) and queues a second one. Both are the C notes' (a ``Relay`` and
 a ``Mark``: no Python frame, which costs 1-3 us after a backward), except in the first backward
@@ -47,7 +47,8 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_
                "all_gather", "all_gather_into_tensor", "all_gather_single", "all_to_all",
                "all_to_all_single", "broadcast", "reduce", "gather", "scatter", "barrier")
 WATCHED_PARAMETERS = 8  # hooked, where DDP allows unused parameters, so that at least one of
-# them gets a gradient in every backward; otherwise every parameter gets one and 1 is enough
+# them gets a gradient in every backward (half the first, half the last: a backbone frozen after
+# wrapping leaves the head's); otherwise every parameter gets one and 1 is enough
 BUCKET_COUNT_READS = 3  # DDP rebuilds its buckets once, after its first iteration
 
 
@@ -87,9 +88,12 @@ def watch_gradients(model) -> Handle:
     """Measure the gradient wait of a ``DistributedDataParallel`` model without a comm hook.
 
     Hooks the first of DDP's parameters (not those it ignores) that requires grad, or the
-    first ``WATCHED_PARAMETERS`` where DDP allows unused parameters (``find_unused_parameters``
-    or ``static_graph``); the first of
-    them to get its gradient in a backward queues the two callbacks (see the module docstring).
+    first and the last ``WATCHED_PARAMETERS // 2`` where DDP allows unused parameters
+    (``find_unused_parameters`` or ``static_graph``): an unused branch, or a backbone frozen
+    after wrapping (fine-tuning's first steps, a linear probe), leaves some of them a gradient;
+    the first of them to get its gradient in a backward queues the two callbacks (see the
+    module docstring). Any one will do: final callbacks run after the whole backward, and a
+    parameter's hook runs before DDP's own, so before DDP queues its ``finalize_backward``.
     Without unused parameters every parameter gets a gradient in every backward (DDP raises
     otherwise), and each hook costs a Python call from the autograd engine (~1-3 us), so one
     is enough. Its tensor hook runs before DDP's own hook on the same parameter's gradient
@@ -170,7 +174,9 @@ def watch_gradients(model) -> Handle:
     # experts; delay_all_reduce_named_params). An ignored first layer's gradient comes after DDP
     # queued its finalize, so both callbacks ran after the wait and measured none
     managed = getattr(model, "_module_parameters", None) or list(model.parameters())
-    params = [p for p in managed if p.requires_grad][:watched]
+    params = [p for p in managed if p.requires_grad]
+    if len(params) > watched:
+        params = params[:watched // 2 + watched % 2] + params[len(params) - watched // 2:]
     for p in params:
         handle.add(p.register_post_accumulate_grad_hook(gradient_accumulated).remove)
     model._syncwatch_watched = True
