@@ -30,7 +30,7 @@ from ..protocol import (PAUSES, PHASE_INDEX, REJECT_REASONS, Cumulative, EndReco
 from .config import DaemonConfig
 
 # Histogram buckets (upper bounds, seconds) of the per-node, per-job histograms.
-# Step times: ~10 buckets a decade (steps of 20-25 %), so p50/p99 of a 1 s step read to ~10 %.
+# Step times: ~10 buckets a decade (steps of 20-33 %), so p50/p99 of a 1 s step read to ~10 %.
 # Per node and job, never per rank, so the extra buckets do not touch the per-rank budget.
 STEP_BUCKETS = (0.001, 0.0025, 0.005) + tuple(round(m * 10.0 ** e, 6) for e in range(-2, 2)
                      for m in (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8)) + (100.0, 120.0)
