@@ -12,7 +12,9 @@ removed; a rank that sent its end record stays ``job_grace`` seconds; a job with
 
 Counters are the ranks' own cumulative values: the daemon exports the latest it has seen, so a
 lost datagram or a daemon restart loses nothing. Records of a step at or before the last step
-record seen from the same process are duplicates or out of order and change nothing but liveness.
+record seen from the same process are duplicates or out of order and change nothing but liveness,
+except the last step's record sent again by a rank's shutdown (``_resent``): it carries the skew
+exchange's last results and the rank's latest drop and error counts.
 """
 
 from __future__ import annotations
