@@ -91,8 +91,9 @@ def families(snap: Snapshot) -> list:
                                 "Steps computed again after restarts (lost since the last checkpoint).",
                                 labels=JL)
     ck_s = CounterMetricFamily("syncwatch_checkpoint_seconds",
-                               "Time global rank 0 spent checkpointing (current attempt).", labels=JL)
-    ck = CounterMetricFamily("syncwatch_checkpoints", "Checkpoints written (current attempt).", labels=JL)
+                               "Time global rank 0's current process spent checkpointing.", labels=JL)
+    ck = CounterMetricFamily("syncwatch_checkpoints", "Checkpoints written by global rank 0's current process.",
+                             labels=JL)
 
     for job in snap.jobs:
         j = job.train_job
