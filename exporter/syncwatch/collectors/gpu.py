@@ -383,9 +383,9 @@ class GpuCollector:
         once it has loaded the library, handled the same, defensively) or finding no GPU
         (``GPU_NOT_FOUND``) on a node whose GPUs this daemon has read: the driver unloaded (a
         reset it did not come back from), or every GPU left the bus (a single-GPU node whose GPU
-        fell off). That is no node without GPUs but a failure of all of
-        them: it read as NoData (GPU_NOT_FOUND: an init error, the last snapshot served 15 s,
-        then every GPU series withdrawn), the remembered ones too, and SyncwatchGpuLost never
+        fell off). That is no node without GPUs but a failure of all of them: it read as NoData
+        (GPU_NOT_FOUND: an init error, the last snapshot served until 17 s old, then every GPU
+        series withdrawn), the remembered ones too, and SyncwatchGpuLost never
         fired while every job on the node was dead. Each GPU seen since the daemon started reads
         ``syncwatch_gpu_up{gpu=<its last index>, uuid} 0`` and none of its values (its XIDs
         counted before stay), with one warning (re-armed once a count succeeds: not by an init
