@@ -192,6 +192,12 @@ def test_cli_render_writes_and_check_detects_stale_files(tmp_path):
     assert run("--check", "--time-scale", "0.05").returncode == 0
     stale = run("--check")  # the files hold the 0.05 render, not the 1.0 one
     assert stale.returncode == 1 and "not current" in stale.stderr
+    # the command it gives writes what it compared against: it said "syncwatch rules render",
+    # which writes the unscaled rules into the checkout's alerts/
+    (tmp_path / "recording.rules.yml").write_text("")
+    stale = run("--check", "--time-scale", "0.05")
+    assert stale.returncode == 1
+    assert f"not current; run: syncwatch rules render --out {tmp_path} --time-scale 0.05" in stale.stderr
     bad = run("--time-scale", "-1")
     assert bad.returncode == 2 and "time scale must be > 0" in bad.stderr
     (tmp_path / "a-file").write_text("")  # --out a file: a FileExistsError traceback

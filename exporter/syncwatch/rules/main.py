@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -30,13 +31,25 @@ def register(subparsers) -> None:
     r.set_defaults(func=run_render)
 
 
+def _render_command(args: argparse.Namespace) -> str:
+    """The command that writes what ``--check`` compared against: its flags that are not defaults."""
+    words = ["syncwatch", "rules", "render"]
+    if args.out != DEFAULT_OUT:
+        words += ["--out", str(args.out)]
+    if args.time_scale != 1.0:
+        words += ["--time-scale", f"{args.time_scale:g}"]
+    if args.runbook_base != RUNBOOK_BASE:
+        words += ["--runbook-base", args.runbook_base]
+    return shlex.join(words)
+
+
 def run_render(args: argparse.Namespace) -> int:
     try:
         if args.check:
             stale = [name for name, text in render(args.time_scale, args.runbook_base).items()
                      if not (args.out / name).is_file() or (args.out / name).read_text() != text]
             for name in stale:
-                print(f"{args.out / name} is not current; run: syncwatch rules render", file=sys.stderr)
+                print(f"{args.out / name} is not current; run: {_render_command(args)}", file=sys.stderr)
             return 1 if stale else 0
         for path in write(args.out, args.time_scale, args.runbook_base):
             print(path)
