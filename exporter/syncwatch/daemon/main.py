@@ -32,7 +32,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(p, "--rank-ttl", type=float, default=d["rank_ttl"].default,
              help="seconds without any record before a rank is removed")
     add_flag(p, "--job-grace", type=float, default=d["job_grace"].default,
-             help="seconds a job's series stay after its end record")
+             help="seconds a job's series stay after its end record (a job whose ranks all expired "
+                  "without one: after its last record)")
     add_flag(p, "--max-ranks", type=int, default=d["max_ranks"].default,
              help="most ranks tracked; records of further ranks are rejected (rank_limit)")
     add_flag(p, "--max-jobs", type=int, default=d["max_jobs"].default,
