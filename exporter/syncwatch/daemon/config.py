@@ -27,7 +27,7 @@ class DaemonConfig:
     udp: str | None = None                  # "127.0.0.1:9478" = also ingest UDP on loopback; None = off
     window: int = 100                       # rolling window W (steps) for step CV / lag-1 autocorrelation
     rank_ttl: float = 60.0                  # seconds without any record before a rank is removed
-    job_grace: float = 120.0                # seconds a job's series stay after its end record (a crashed job's: its last)
+    job_grace: float = 120.0                # seconds a job's series stay after its end (or last) record
     max_ranks: int = 1024                   # records of further ranks rejected, reason rank_limit
     max_jobs: int = 32                      # records of further jobs rejected, reason job_limit
 
