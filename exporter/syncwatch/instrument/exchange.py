@@ -4,9 +4,9 @@ Every K steps each rank hands its last K waits to a background thread, which all
 twice on a side gloo process group, once with MIN and once with MAX: 2 x 8(K + 1) bytes of payload
 per rank per window whatever the world size (K = 50: 816 bytes, two messages). The one more
 element is the window's median step time, whose MAX sizes the windows after the first
-(``skew.window_size``). The training thread
-only puts a list on a queue (~0.2 us) and, at a later step end, picks up finished results from a
-deque; the exchange's latency never lands on a step.
+(``skew.window_size``). The monitor's records thread, as it replays the steps, puts each
+window on a queue and, at a later step, picks up finished results from a deque: the training
+thread never touches the exchange, and its latency never lands on a step.
 
 Every rank submits the same windows in the same order (windows are cut by resolved step count),
 so the side group's collectives match. A hung or departed peer blocks only this thread.
