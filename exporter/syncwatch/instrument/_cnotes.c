@@ -234,7 +234,8 @@ new_note(PyTypeObject *type, NotesObject *notes, PyObject *code, PyObject *exit_
 }
 
 /* phase(), mark() and relay() take their arguments by position or keyword, as in notes.py; they
- * build an object once (at a monitor's start), not per call, so they need no fast calling. */
+ * build an object once (at import, a monitor's start, or a watched model's first backwards once
+ * DDP's bucket count is read), not per call, so they need no fast calling. */
 static PyObject *
 notes_phase(NotesObject *self, PyObject *args, PyObject *kwds)
 {
