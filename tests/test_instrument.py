@@ -2584,6 +2584,25 @@ def test_a_bad_environment_value_is_said_once_and_its_default_taken(
     assert len(said) == 1 and f"ignoring {var}={value!r}" in said[0], said
 
 
+def test_a_socket_argument_wins_over_an_inherited_syncwatch_udp(rx, sock_path, monkeypatch):
+    """``init(socket=...)`` where ``SYNCWATCH_UDP`` is set (a cluster-wide default): the
+    argument is given, so the variable is not consulted, as ``syncwatch-run --socket`` does it.
+    The sender took the variable first, and every record went over UDP, none to the socket."""
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    import syncwatch.instrument as sw
+    monkeypatch.setenv("SYNCWATCH_UDP", "127.0.0.1:9")  # discard: nobody listens
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        m = sw.init(job="mine", socket=sock_path, heartbeat_seconds=0)
+        assert m is not None and m.sender.address == sock_path
+        m.step(samples=2)
+        assert steps(rx, 1)[0].samples == 2
+    finally:
+        sw.shutdown()
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("arg, value", [
     ("heartbeat_seconds", -1), ("heartbeat_seconds", float("nan")),
     ("heartbeat_seconds", float("inf")), ("heartbeat_seconds", "5"),

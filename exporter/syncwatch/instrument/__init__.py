@@ -221,6 +221,9 @@ def _init(job, attempt, node, exchange_every, exchange_seconds, heartbeat_second
         exchange = SkewExchange(group, hooks.original("all_reduce"), dist.ReduceOp.MIN,
                                 dist.ReduceOp.MAX,
                                 lambda waits: torch.tensor(waits, dtype=torch.float64))
+    if socket is not None and udp is None:
+        # given, it wins over an inherited SYNCWATCH_UDP, which the sender takes first ("": none)
+        udp = ""
     monitor = Monitor(ident, sender or Sender(path=socket, udp=udp), clock=clock,
                       exchange=exchange, exchange_every=exchange_every,
                       exchange_seconds=exchange_seconds, heartbeat_seconds=heartbeat_seconds,
