@@ -49,7 +49,7 @@ CHECKPOINT = PHASE_INDEX["checkpoint"]
 PAUSED = tuple(PHASE_INDEX[name] for name in PAUSES)
 _NPH = len(PHASE_INDEX)
 MAX_PENDING = 64  # lazily timed (CUDA) steps waiting for their events; beyond this the oldest go
-MAX_ENTRIES = 1 << 16  # hot-path entries waiting for the records thread (~4 k steps)
+MAX_ENTRIES = 1 << 16  # hot-path entries waiting for the records thread (4-6 k steps of 11-16)
 # Each wake-up costs ~60 us of CPU before any work (cold caches): every 0.05 s cost twice the CPU
 # per step of every 0.2 s (6 ms steps); 1 s would cost less, but a job turning fast sends a second
 # of steps in one burst and loses records (benchmarks/bench_records_thread.py, bench_burst.py).
