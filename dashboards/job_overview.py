@@ -71,7 +71,8 @@ def build() -> db.Dashboard:
                   "the barrier waits for a different rank each step (jitter); near 1 means one "
                   "persistent straggler: open the Straggler map. Without the skew exchange (K = 0) "
                   "an estimate: shares of one-minute windows in which a rank's mean wait was the "
-                  "smallest, not of steps.",
+                  f"smallest (shared equally with the ranks within {100 * THRESHOLDS.last_arrival_tie:g} % "
+                  "of the step of it), not of steps.",
                   query(f'train_job:syncwatch_straggler_concentration:ratio10m{{{JOB}}}', "{{train_job}}"),
                   unit="percentunit", w=4, h=4)
             .thresholds(thresholds((None, "green"), (0.5, "orange"), (THRESHOLDS.straggler_share, "red")))

@@ -9,6 +9,8 @@ from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import heatmap as hm
 
+from syncwatch.rules.thresholds import THRESHOLDS
+
 from .common import (JOB, ON_NODE, RANKS, RATE, dashboard, estimated, legend_table, node_variable,
                      panel, query, rank_variable, train_job_variable)
 
@@ -67,9 +69,10 @@ def build() -> db.Dashboard:
                   "Share of steps in which each rank arrived last at the barrier (the rank the "
                   "step waited for). Even jitter gives every rank about 1/N; one line near 1 is a "
                   "persistent straggler. An interval without a skew exchange has no point. Without "
-                  "the exchange (K = 0) it is an estimate: the share of one-minute windows of the "
-                  "last 10 m in which the rank's mean wait was the smallest by a clear margin (the "
-                  "share SyncwatchPersistentStraggler reads).",
+                  "the exchange (K = 0) it is an estimate over the one-minute windows of the last "
+                  "10 m: a window goes to the rank with the smallest mean wait, shared equally with "
+                  f"every rank within {100 * THRESHOLDS.last_arrival_tie:g} % of the step of it (the share "
+                  "SyncwatchPersistentStraggler reads; even jitter shares every window).",
                   query(f'sum by (train_job, rank) (rate(syncwatch_last_arrivals_total{{{RANKS}}}[{RATE}]) {ON_NODE})'
                         f' / on (train_job) group_left () (sum by (train_job) '
                         f'(rate(syncwatch_last_arrivals_total{{{JOB}}}[{RATE}])) > 0)'
@@ -83,7 +86,8 @@ def build() -> db.Dashboard:
                   "node. The first row is the rank everyone waited for most; compare its count with "
                   "the steps in the range. Without the skew exchange (K = 0) the count is an "
                   "estimate: the rank's steps in the one-minute windows in which its mean wait was "
-                  "the smallest.",
+                  f"the smallest, shared equally with the ranks within {100 * THRESHOLDS.last_arrival_tie:g} % "
+                  "of the step of it.",
                   query(f'topk(10, sum by (train_job, rank, node) ({arrivals_range} {ON_NODE}))',
                         instant=True, table=True),
                   w=6)
