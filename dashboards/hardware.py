@@ -176,11 +176,12 @@ def build() -> db.Dashboard:
                   "Congestion notification packets sent and handled, and ECN-marked packets per "
                   "second, per RoCE port. A burst of CNPs with the sync tax is congestion control "
                   "slowing the collective; steady zero with a high sync tax points elsewhere.",
-                  query(_rate("syncwatch_roce_cnp_sent_total", "node, device, port"), "{{node}} {{device}} CNP sent"),
+                  query(_rate("syncwatch_roce_cnp_sent_total", "node, device, port"),
+                        "{{node}} {{device}}/{{port}} CNP sent"),
                   query(_rate("syncwatch_roce_cnp_handled_total", "node, device, port"),
-                        "{{node}} {{device}} CNP handled"),
+                        "{{node}} {{device}}/{{port}} CNP handled"),
                   query(_rate("syncwatch_roce_ecn_marked_total", "node, device, port"),
-                        "{{node}} {{device}} ECN marked"),
+                        "{{node}} {{device}}/{{port}} ECN marked"),
                   unit="pps", w=12)
             .min(0))
         .with_row(db.Row("GPU error events"))
