@@ -461,9 +461,10 @@ def cadences(prom: Prometheus, sel: str, end: float, span: float,
     first of ``ranks``. The exchange's period: the median gap between the changes of
     ``syncwatch_slack_seconds_total`` (exported with the exchange on), the shortest over up to
     ``PERIOD_RANKS`` ranks spread over the job, over the last 10 minutes however short the range
-    (a range shorter than one period is refused with the period it needs). A rank's slack grows
-    at each exchange where it idled: every rank's but a persistent straggler's, whose slack stays
-    put for long. An exchange that lands at every scrape reads as the scrape interval.
+    (a range holding fewer than the two landings an increase needs is refused, naming that
+    period). A rank's slack grows at each exchange where it idled: every rank's but a persistent
+    straggler's, whose slack stays put for long. An exchange that lands at every scrape reads as
+    the scrape interval.
 
     Only a few ranks and ten minutes are fetched: a long range at a short scrape interval holds
     millions of samples, a few gaps tell the interval.
