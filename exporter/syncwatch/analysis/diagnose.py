@@ -9,7 +9,7 @@ a confidence. The thresholds live in ``Thresholds``; docs/analysis.md explains e
 | straggler (persistent) | one rank arrives last in most steps, and the others idle for it (coupling) |
 | straggler (transient)  | high coupling, last arrivals spread over ranks |
 | oscillation            | lag-1 autocorrelation of step time strongly negative |
-| fabric contention      | collective time (wait not explained by slack) inflated in episodes by a share of the step, with congestion counters |
+| fabric contention      | collective time (wait not explained by slack) inflated by a share of the step in 10 % of windows, or in fewer that congestion counters follow; two at least |
 | thermal coupling       | straggling node throttles / runs hottest, or the straggling node rotates with a slow period |
 | topology mismatch      | collective time grows faster than bytes moved, without congestion |
 | checkpoint-restart     | restarts and re-run steps in the range |
