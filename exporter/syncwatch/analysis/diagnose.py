@@ -10,7 +10,7 @@ a confidence. The thresholds live in ``Thresholds``; docs/analysis.md explains e
 | straggler (transient)  | high coupling, last arrivals spread over ranks |
 | oscillation            | lag-1 autocorrelation of step time strongly negative |
 | fabric contention      | collective time (wait not explained by slack) inflated by a share of the step in 10 % of windows, or in fewer that congestion counters follow; two at least |
-| thermal coupling       | straggling node throttles / runs hottest, or the straggling node rotates with a slow period |
+| thermal coupling       | persistent straggler's node throttles / runs ≥ 5 °C hotter, or the straggling node moves between nodes |
 | topology mismatch      | collective time grows faster than bytes moved, without congestion |
 | checkpoint-restart     | restarts and re-run steps in the range |
 """
