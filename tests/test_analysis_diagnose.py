@@ -15,7 +15,7 @@ from analysis_helpers import SCENARIO_MODES, run_cli, run_json
 from conftest import subprocess_env
 from syncwatch.analysis import recording
 from syncwatch.analysis.diagnose import diagnose, summary
-from syncwatch.analysis.view import fmt_time
+from syncwatch.analysis.view import THERMAL_THROTTLE, fmt_time
 
 sim = pytest.importorskip("syncwatch.sim.scenarios", reason="the simulator (syncwatch.sim) is not in this checkout")
 
@@ -93,6 +93,21 @@ def test_straggler_on_a_throttling_node_is_also_thermal_with_high_confidence():
     assert thermal.confidence >= 0.9 and thermal.subject == {"node": "sim-node-00"}
     assert any("18.0 °C hotter" in e["reading"] for e in thermal.evidence)
     assert not any("skew exchange off" in n or "GPU telemetry" in n for n in d.notes), d.notes
+
+
+def test_thermal_evidence_quotes_the_throttle_reasons_it_read():
+    """The throttling in the evidence is the view's: its thermal reasons and hw_slowdown. The
+    evidence quoted only the thermal ones, and pasted into Prometheus read a node slowed by
+    hw_slowdown alone as never throttling."""
+    run = recorded("straggler")
+    ts = [s["t"] for s in run["steps"]]
+    run["hardware"] = {
+        "gpu_thermal_throttle": {f"sim-node-{n:02d}": [[t, 1.0 if n == 0 else 0.0] for t in ts] for n in range(4)},
+    }
+    thermal = next(f for f in diagnose(recording.to_view(run, "test")).findings if f.mode == "thermal_coupling")
+    assert "hw_slowdown" in THERMAL_THROTTLE
+    assert any(e["series"].startswith(THERMAL_THROTTLE + " and on (instance)") for e in thermal.evidence), \
+        thermal.evidence
 
 
 def test_straggler_on_a_throttling_node_without_the_skew_exchange_is_also_thermal():

@@ -26,7 +26,8 @@ from .common import command, emit_json, lag1, ms, pct, plural
 from .prom import quote
 from .recording import MIN_WINDOW_STEPS
 from .source import add_source_flags, view_from_args
-from .view import AUTOCORRELATION_MIN_STEPS, BYTES_SERIES, CONGESTION_SERIES, FEW_WINDOWS, JobView
+from .view import (AUTOCORRELATION_MIN_STEPS, BYTES_SERIES, CONGESTION_SERIES, FEW_WINDOWS, THERMAL_THROTTLE,
+                   JobView)
 
 # without the skew exchange a straggler is named from mean waits: one that leads on average, not
 # one counted last step by step, so its finding is this much less sure
@@ -309,8 +310,7 @@ def detect_thermal(v: JobView, s: dict, th: Thresholds, found: list[Finding]) ->
         node = straggler.subject["node"]
         thr = _mean(throttle.get(node, []))
         if thr:
-            evidence.append({"series": 'syncwatch_gpu_throttle_active{reason=~".*thermal.*"} and on (instance) '
-                                       + _node_sel(v, node),
+            evidence.append({"series": f"{THERMAL_THROTTLE} and on (instance) " + _node_sel(v, node),
                              "value": round(thr, 3), "reading": f"thermal throttling active {pct(thr)} of the time "
                                                                f"on the straggling node {node}"})
             conf = max(conf, 0.9)
@@ -347,8 +347,8 @@ def detect_thermal(v: JobView, s: dict, th: Thresholds, found: list[Finding]) ->
             conf = 0.55
             hw = [n for n in distinct if _mean(throttle.get(n, [])) or ((_hotter(temps, n) or 0) >= th.hot_margin_celsius)]
             if by_throttle:
-                evidence.append({"series": 'syncwatch_gpu_throttle_active{reason=~".*thermal.*"} of the node '
-                                           "arriving last most, per window", "value": round(matched, 3),
+                evidence.append({"series": f"{THERMAL_THROTTLE} of the node arriving last most, per window",
+                                 "value": round(matched, 3),
                                  "reading": f"in {pct(matched)} of windows the node arriving last most throttles "
                                             f"then ({pct(by_chance)} by chance: the share of nodes throttling)"})
             if hw:

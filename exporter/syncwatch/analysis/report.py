@@ -132,7 +132,7 @@ def _hardware_section(v: JobView) -> str:
     t = v.times
     charts = []
     titles = {"gpu_temperature_celsius": "GPU temperature (max per node, °C)",
-              "gpu_thermal_throttle": "Thermal throttling active (per node)",
+              "gpu_thermal_throttle": "Thermal or hw_slowdown throttling active (per node)",
               "gpu_sm_clock_hertz": "SM clock (min per node, Hz)",
               "ib_xmit_wait_rate": "InfiniBand transmit waits per second",
               "roce_congestion_rate": "RoCE CNP + ECN per second",

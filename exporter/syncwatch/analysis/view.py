@@ -39,10 +39,13 @@ COUNTERS = {  # view field -> (metric, extra selector)
     "samples": ("syncwatch_samples_total", ""),
 }
 
+# the throttling read as thermal: the thermal reasons, and hw_slowdown (NVML raises it for a high
+# temperature, among other causes)
+THERMAL_THROTTLE = 'syncwatch_gpu_throttle_active{reason=~".*thermal.*|hw_slowdown"}'
 # hardware series per node: name -> (PromQL over one window of W seconds, aggregated by instance)
 HARDWARE = {
     "gpu_temperature_celsius": "max by (instance) (syncwatch_gpu_temperature_celsius)",
-    "gpu_thermal_throttle": 'max by (instance) (syncwatch_gpu_throttle_active{reason=~".*thermal.*|hw_slowdown"})',
+    "gpu_thermal_throttle": f"max by (instance) ({THERMAL_THROTTLE})",
     "gpu_sm_clock_hertz": "min by (instance) (syncwatch_gpu_sm_clock_hertz)",
     "ib_xmit_wait_rate": "sum by (instance) (rate(syncwatch_ib_port_xmit_wait_total[{w}s]))",
     "roce_congestion_rate": "sum by (instance) (rate(syncwatch_roce_cnp_handled_total[{w}s]) "
