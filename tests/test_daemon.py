@@ -740,6 +740,37 @@ def test_checkpoint_totals_come_from_rank0(daemon, client):
         1.0 + 0.1 / len(PHASES))
 
 
+def test_checkpoint_totals_wait_for_rank0s_step_record_after_a_daemon_restart(daemon, client):
+    """A daemon (re)started under a running rank 0 between two of its steps hears a heartbeat
+    first. It exported checkpoints_total and checkpoint_seconds_total 0 until the next step
+    record brought rank 0's cumulative values: after the old daemon's 3, Prometheus read 3 -> 0
+    -> 4 as a reset and counted the process's every checkpoint again (increase() 4 for 1; the
+    per-rank counters, exported only from a step record, were right). A new process of rank 0
+    still starts them at 0: its own counters do."""
+    ck = tuple(0.5 if p == "checkpoint" else 0.01 for p in PHASES)
+    r0 = RankSim(identity(0, world=1, pid=100))
+    for s in range(1, 4):
+        r0.step(s, 0.6, phases=ck, checkpoint=True)  # sent to the daemon before this one
+    client.send(r0.enc.heartbeat(WALL0 + 4, 3, WALL0 + 3, "data", 1.0, 6))
+    wait_records(daemon.url, 1)
+    m = scrape(daemon.url)
+    assert value(m, "syncwatch_job_attempt", train_job="job-a") == 0
+    assert value(m, "syncwatch_checkpoints_total", train_job="job-a") is None
+    assert value(m, "syncwatch_checkpoint_seconds_total", train_job="job-a") is None
+    client.send(r0.step(4, 0.6, phases=ck, checkpoint=True))
+    wait_records(daemon.url, 2)
+    m = scrape(daemon.url)
+    assert value(m, "syncwatch_checkpoints_total", train_job="job-a") == 4
+    assert value(m, "syncwatch_checkpoint_seconds_total", train_job="job-a") == pytest.approx(2.0)
+    # attempt 1: a new process, whose counters start at 0, before its first step
+    client.send(RankSim(identity(0, world=1, attempt=1, pid=200)).enc.heartbeat(
+        WALL0 + 10, 0, 0.0, "data", 1.0, 0))
+    wait_records(daemon.url, 3)
+    m = scrape(daemon.url)
+    assert value(m, "syncwatch_checkpoints_total", train_job="job-a") == 0
+    assert value(m, "syncwatch_checkpoint_seconds_total", train_job="job-a") == 0
+
+
 def test_heartbeat_only_rank_shows_phase_and_stale_step_time(daemon, client):
     hung = Encoder(identity(3))
     now = time.time()

@@ -135,8 +135,9 @@ def families(snap: Snapshot) -> list:
             attempt.add_metric([j], job.attempt)
             restarts.add_metric([j], job.restarts)
             rerun.add_metric([j], job.rerun_steps)
-            ck_s.add_metric([j], job.checkpoint_seconds)
-            ck.add_metric([j], job.checkpoints)
+            if job.checkpoints_known:  # not before rank 0's step record tells them
+                ck_s.add_metric([j], job.checkpoint_seconds)
+                ck.add_metric([j], job.checkpoints)
             if job.skew is not None:
                 s = job.skew
                 skew_h.add_metric([j], list(zip(_SKEW_LE, s.buckets)) + [("+Inf", s.count)], s.sum)

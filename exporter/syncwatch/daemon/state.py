@@ -114,8 +114,8 @@ class RankState:
 
 class JobState:
     __slots__ = ("ranks", "hists", "nodes", "seen", "world_size", "r0_process", "attempt", "skew",
-                 "restarts", "rerun_steps", "checkpoint_seconds", "checkpoints", "max_step",
-                 "prev_max_step", "restart_pending")
+                 "restarts", "rerun_steps", "checkpoint_seconds", "checkpoints",
+                 "checkpoints_known", "max_step", "prev_max_step", "restart_pending")
 
     def __init__(self, now: float):
         self.ranks: dict[int, RankState] = {}
@@ -132,6 +132,11 @@ class JobState:
         self.rerun_steps = 0
         self.checkpoint_seconds = 0.0
         self.checkpoints = 0
+        # whether the two are rank 0's current process's: from its step records, or 0 from its
+        # start. A daemon (re)started under a running rank 0 hears a heartbeat or its end record
+        # first: it exported 0 until the next step record, and Prometheus read the drop from the
+        # old daemon's values as a reset and counted the process's every checkpoint again
+        self.checkpoints_known = False
         self.max_step = -1          # highest step rank 0's current process completed
         self.prev_max_step = -1     # the previous process's highest step, after a process change
         # None: no process change pending; "counted": a restart (higher attempt) waiting for the new
@@ -169,6 +174,7 @@ class JobView:
     rerun_steps: int
     checkpoint_seconds: float
     checkpoints: int
+    checkpoints_known: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,7 +353,8 @@ class State:
         job.max_step = -1
         job.r0_process, job.attempt = ident.process, ident.attempt
         job.skew = None
-        job.checkpoint_seconds, job.checkpoints = 0.0, 0
+        # a new process of rank 0: its counters start at 0 (exported as such, a reset)
+        job.checkpoint_seconds, job.checkpoints, job.checkpoints_known = 0.0, 0, True
 
     def _step(self, job: JobState, r: RankState, rec: StepRecord) -> None:
         step = rec.step
@@ -415,6 +422,7 @@ class State:
             job.skew = rec.skew
         job.checkpoint_seconds = rec.totals.phase_seconds[_CHECKPOINT]
         job.checkpoints = rec.totals.checkpoints
+        job.checkpoints_known = True
 
     def _heartbeat(self, r: RankState, rec: HeartbeatRecord) -> None:
         # in arrival order: one thread of the rank sends them, in order (by their wall times, one
@@ -488,19 +496,19 @@ class State:
                 hists = {node: (a.copy(), b.copy()) for node, (a, b) in job.hists.items()}
                 raw.append((name, rows, hists, 0 in job.ranks, job.world_size, job.attempt,
                             job.skew, job.restarts, job.rerun_steps, job.checkpoint_seconds,
-                            job.checkpoints))
+                            job.checkpoints, job.checkpoints_known))
             records, rejected = self.records, dict(self.rejected)
             client = self.client_dropped, self.client_errors
             n_ranks = self.n_ranks
         for r, version, xs in todo:
             r.stats = (version, *window_stats(xs))
         jobs = []
-        for name, rows, hists, has0, world, attempt, skew, restarts, rerun, ck_s, ck in raw:
+        for name, rows, hists, has0, world, attempt, skew, restarts, rerun, *ck in raw:
             views = [RankView(ident, totals, exact, tok, r.stats[1], r.stats[2], last, wall, seq,
                               phase, elapsed, end)
                      for r, ident, totals, exact, tok, last, wall, seq, phase, elapsed, end in rows]
             views.sort(key=lambda v: v.ident.rank)
             jobs.append(JobView(name, views, hists, has0, world, attempt, skew, restarts, rerun,
-                                ck_s, ck))
+                                *ck))
         jobs.sort(key=lambda j: j.train_job)
         return Snapshot(jobs, records, rejected, *client, n_ranks)
