@@ -830,6 +830,7 @@ def test_client_dropped_records_and_internal_errors_are_monotonic(sock_path):
     """Both sum what each rank process's cumulative count grew by: an older (smaller) count
     adds nothing, a new process (pid) starts from 0, and ranks leaving take nothing away."""
     with DaemonThread(config(sock_path, rank_ttl=0.3)) as d:
+        scrape(d.url)  # the first one, which shows the counts as 0
         c = Client(d.socket_path)
         r = RankSim(identity(2, pid=10))
         c.send(r.step(1, 0.1, dropped=5, errors=1), r.step(2, 0.1, dropped=8, errors=3))
@@ -852,6 +853,7 @@ def test_a_process_met_anew_counts_only_what_its_delivered_records_had_not_repor
     expired) counted all of the process's drops and errors, those it had reported before
     included: each record now says what the last one delivered before it carried."""
     with DaemonThread(config(sock_path, rank_ttl=0.3)) as d:
+        scrape(d.url)  # the first one, which shows the counts as 0
         c = Client(d.socket_path)
         enc = Encoder(identity(2, pid=10))
         c.send(RankSim(identity(2, pid=10)).step(1, 0.1, dropped=5, errors=1))
@@ -864,6 +866,25 @@ def test_a_process_met_anew_counts_only_what_its_delivered_records_had_not_repor
         m = scrape(d.url)
     assert value(m, "syncwatch_client_dropped_records_total") == 9
     assert value(m, "syncwatch_client_internal_errors_total") == 3
+
+
+def test_a_restarted_daemon_shows_its_drop_counts_from_0_once(sock_path):
+    """A daemon restarted on a node whose ranks dropped records while it was down counts them
+    from their first record, at once, before Prometheus's first scrape of it. It exported that
+    backlog from its first scrape: after its predecessor's 10, a first 100 was no counter reset
+    to Prometheus, which read 10 -> 100 as 90 more (and a second restart's 100 after the
+    first's 100 as none). Its first scrape now shows 0, the reset, and the next ones its counts."""
+    with DaemonThread(config(sock_path)) as d:
+        c = Client(d.socket_path)
+        c.send(Encoder(identity(0, pid=10)).heartbeat(WALL0, 3, WALL0, "data", 0.1, 0,
+                                                      dropped_records=110, internal_errors=4,
+                                                      reported_dropped=10, reported_errors=1))
+        wait_records(d.url, 1)
+        first, second = scrape(d.url), scrape(d.url)
+    assert value(first, "syncwatch_client_dropped_records_total") == 0
+    assert value(first, "syncwatch_client_internal_errors_total") == 0
+    assert value(second, "syncwatch_client_dropped_records_total") == 100
+    assert value(second, "syncwatch_client_internal_errors_total") == 3
 
 
 class _Failing:

@@ -268,6 +268,7 @@ def test_results_identical_with_daemon_absent_killed_and_restarted(sock_path, tm
         first.__exit__(None, None, None)      # daemon killed
         time.sleep(0.3)
         d = second.__enter__()                # and back
+        Metrics(d.url)  # Prometheus's first scrape of it, which shows the drops as 0
         finish(restarted, tmp_path, "restarted")
         every = {r: 40.0 for r in range(world)}
         m = scrape_until(d, lambda m: m.by_rank("syncwatch_last_step", train_job="restarted") == every)

@@ -52,6 +52,7 @@ def test_daemon_restart_on_same_path_records_flow_again_with_right_totals(sock_p
         time.sleep(0.01)
     assert s.dropped == 10
     with DaemonThread(config(sock_path)) as d:
+        scrape(d.url)  # Prometheus's first scrape of it, which shows the drops as 0
         # The sender reconnects within its capped backoff; keep training meanwhile.
         def delivered():
             send_step()

@@ -24,16 +24,28 @@ _SKEW_LE = tuple(repr(float(b)) for b in SKEW_BUCKETS)
 
 
 class StateCollector:
-    """prometheus_client collector over the daemon's rank/job state and its self-health."""
+    """prometheus_client collector over the daemon's rank/job state and its self-health.
+
+    Its first render shows the ranks' drop and error counts as 0. A daemon started on a node
+    whose ranks dropped records while no daemon ran counts those at once, from the first record
+    of each rank, before Prometheus's first scrape of it; exported from that scrape, the count
+    was no counter reset to Prometheus unless it was below the last one of the daemon before:
+    10 then 100 read as 90 more, a second restart's 100 after the first's 100 as none. A 0
+    first is the reset, and increase() counts the next scrape's whole value."""
 
     def __init__(self, state: State):
         self.state = state
+        self._served = False
 
     def collect(self):
-        return families(self.state.snapshot())
+        fams = families(self.state.snapshot(), client_counts=self._served)
+        self._served = True
+        return fams
 
 
-def families(snap: Snapshot) -> list:
+def families(snap: Snapshot, client_counts: bool = True) -> list:
+    """The metric families of ``snap``; without ``client_counts``, the ranks' drop and error
+    counts read 0 (a restarted daemon's first scrape: see ``StateCollector``)."""
     RL = ["train_job", "rank"]
     info = GaugeMetricFamily("syncwatch_rank_info", "Joins a rank to its node, GPU and process (value 1).",
                              labels=RL + ["local_rank", "node", "gpu", "uuid", "pid"])
@@ -150,11 +162,11 @@ def families(snap: Snapshot) -> list:
         rejected.add_metric([reason], n)
     dropped = CounterMetricFamily("syncwatch_client_dropped_records",
                                   "Records the ranks reported dropping before they reached the daemon.")
-    dropped.add_metric([], snap.client_dropped)
+    dropped.add_metric([], snap.client_dropped if client_counts else 0)
     errors = CounterMetricFamily("syncwatch_client_internal_errors",
                                  "Internal errors the ranks' instrumentation reported counting "
                                  "(training went on; each rank logs its first).")
-    errors.add_metric([], snap.client_errors)
+    errors.add_metric([], snap.client_errors if client_counts else 0)
     active = GaugeMetricFamily("syncwatch_ranks_active", "Ranks this daemon currently tracks.")
     active.add_metric([], snap.ranks_active)
     build = GaugeMetricFamily("syncwatch_build_info", "syncwatch version (value 1).", labels=["version"])
