@@ -1603,6 +1603,23 @@ def test_identity_from_torchrun_slurm_and_kubernetes():
     i.encode()  # valid for the protocol
 
 
+def test_a_long_label_is_cut_with_its_hash_so_names_alike_in_their_first_128_stay_apart():
+    """Label values were cut at 128 characters: two runs of a sweep named by their parameters
+    (147 characters, differing after the 128th) were one train job, and on a shared node the
+    daemon rejected one run's records as identity_conflict."""
+    a = "sweep-" + "lr=0.001-wd=0.1-" * 8 + "seed=1"
+    b = a[:-1] + "2"
+    ja, jb = (ident_mod.resolve(env={"SYNCWATCH_JOB": j}).train_job for j in (a, b))
+    assert len(a) > 128 and a[:128] == b[:128]
+    assert ja != jb and len(ja) == len(jb) == 128 and ja[:119] == jb[:119] == a[:119]
+    assert ja == ident_mod.resolve(env={"SYNCWATCH_JOB": a}).train_job  # every rank alike
+    node = ident_mod.resolve(env={"SYNCWATCH_NODE": "n" * 300}).node
+    assert len(node) == 128 and node.startswith("n" * 119 + "-")
+    for name in ("x" * 128, "run 42!"):  # within 128 characters: cut nothing, hash nothing
+        assert ident_mod.sanitize(name, "job") == name.replace(" ", "_").replace("!", "_")
+    ident_mod.resolve(env={"SYNCWATCH_JOB": a, "SYNCWATCH_NODE": "n" * 300}).encode()
+
+
 def test_attempt_rises_at_every_restart_of_slurm_and_of_torchrun_inside_it():
     """Under Slurm with torchrun inside, a requeue restarts torchrun, whose restart count starts
     at 0 again: the attempt went back (2 -> 0), and the daemon took the new attempt's records for

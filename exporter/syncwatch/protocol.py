@@ -75,7 +75,8 @@ MAX_GPU = 1024
 MAX_ATTEMPT = 1 << 20
 MAX_STEP = 1 << 53
 MIN_WALL, MAX_WALL = 1e9, 1e10  # 2001 .. 2286
-LABEL_RE = re.compile(r"[A-Za-z0-9_.:@/+=-]{1,128}")
+LABEL_MAX = 128  # characters of a label value
+LABEL_RE = re.compile(rf"[A-Za-z0-9_.:@/+=-]{{1,{LABEL_MAX}}}")
 
 REJECT_REASONS = ("too_large", "truncated", "bad_magic", "unknown_version", "unknown_kind",
                   "unknown_fields", "bad_identity", "bad_value", "rank_limit", "job_limit",

@@ -13,19 +13,26 @@ never fail to start because of an odd job name.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import socket
 import uuid
 
-from ..protocol import MAX_ATTEMPT, Identity
+from ..protocol import LABEL_MAX, MAX_ATTEMPT, Identity
 
 _BAD = re.compile(r"[^A-Za-z0-9_.:@/+=-]")
 
 
 def sanitize(value: str, fallback: str) -> str:
-    """Map ``value`` onto the label alphabet (invalid characters -> ``_``, at most 128)."""
-    value = _BAD.sub("_", str(value))[:128]
+    """Map ``value`` onto the label alphabet: invalid characters -> ``_``; a value over the
+    protocol's 128 characters is cut to 119 and ends in ``-`` and 8 hex digits of its hash, so
+    that two long names alike in their first 128 (a sweep's runs named by their parameters) stay
+    two jobs. Every rank of a job computes the same label."""
+    text = str(value)
+    value = _BAD.sub("_", text)
+    if len(value) > LABEL_MAX:
+        value = value[:LABEL_MAX - 9] + "-" + hashlib.blake2s(text.encode()).hexdigest()[:8]
     return value or fallback
 
 
