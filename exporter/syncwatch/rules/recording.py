@@ -53,6 +53,13 @@ def recording_rules(c: Ctx) -> list[dict]:
     def rate_by(metric: str, window: str, by: str = "train_job") -> str:
         return f"sum by ({by}) (rate({metric}[{window}]))"
 
+    def idle_by_rank(window: str) -> str:
+        """Each rank's time off its compute, as the skew exchange compares it (instrument/monitor.py):
+        its collective waits and its own planned pauses (0 where it reports none); none for a rank
+        without a sync phase."""
+        sync = rate_by(SYNC_PHASE, window, RANK)
+        return f"(\n    {sync}\n    + ({rate_by(PAUSE_PHASES, window, RANK)} or 0 * {sync})\n  )"
+
     # The exact skew exchange's series decide, per job, where coupling, slack, last arrivals and
     # skew come from: a job that exported them in the last concentration window reads only them
     # (never a mixture of exact and estimated ranks, nor estimates while a restarted attempt
@@ -106,13 +113,19 @@ def recording_rules(c: Ctx) -> list[dict]:
          "expr": f"{rate_by('syncwatch_phase_seconds_total', r, 'train_job, phase')}\n"
                  f"/ on (train_job) group_left ()\n({rate_by('syncwatch_step_seconds_total', r)} > 0)"},
         # --- the fallback's inputs, for jobs without the exact skew exchange only (K = 0; a job
-        # with it pays no series for them): each rank's mean wait per step, over 5m and 1m
+        # with it pays no series for them): each rank's mean wait per step, over 5m and 1m, its
+        # own checkpoint and eval phases counted as waiting, as the exchange counts them. With the
+        # sync phase alone, rank 0 saving alone (torch's DDP tutorial) while its peers waited for
+        # it in the collective read as the last arrival by the whole save, its peers' wait for it
+        # as slack and skew: 7.5 s saves every minute of 1 s steps made rank 0 a persistent
+        # straggler (coupling 0.094) and the skew 12.5 % of the step (alerts/tests/fallback.test.yml);
+        # 8 s every 100 steps read coupling 0.075, skew 8 %, rank 0 last in 29 % of the minutes.
         {"record": "train_job_rank:syncwatch_sync_wait:mean5m",
-         "expr": f"(\n  {rate_by(SYNC_PHASE, r, 'train_job, rank')}\n  /\n"
+         "expr": f"(\n  {idle_by_rank(r)}\n  /\n"
                  f"  ({rate_by('syncwatch_steps_total', r, 'train_job, rank')} > 0)\n)\n"
                  f"unless on (train_job)\n{exact}"},
         {"record": "train_job_rank:syncwatch_sync_wait:mean1m",
-         "expr": f"(\n  {rate_by(SYNC_PHASE, rs, 'train_job, rank')}\n  /\n"
+         "expr": f"(\n  {idle_by_rank(rs)}\n  /\n"
                  f"  ({rate_by('syncwatch_steps_total', rs, 'train_job, rank')} > 0)\n)\n"
                  f"unless on (train_job)\n{exact}"},
         # A minute's last arrivals: the ranks whose mean wait is within last_arrival_tie of the
