@@ -208,10 +208,18 @@ def recording_rules(c: Ctx) -> list[dict]:
         {"record": "train_job:syncwatch_skew_step:baseline",
          "expr": f"avg_over_time(train_job:syncwatch_skew_step:settled5m[{c.d(w.baseline)}] "
                  f"offset {c.d(w.baseline_offset)})"},
+        # The exact floor only for a job that was exact already when the baseline's range began:
+        # a job with the exchange reads estimates until its first exchange, K = 50 steps (8
+        # minutes of 10 s steps), and those are a fraction of the exact skew (healthy 8 ranks:
+        # 0.0065 against 0.037 of the step). In the baseline they read exact skew against them,
+        # growth 3.7 at the exact floor, the skew_growth component 1 from 15 to 25 minutes into a
+        # healthy job, and with its first checkpoint's counter CV after it JobUnstable fired.
         {"record": "train_job:syncwatch_skew_step:growth",
          "expr": f"train_job:syncwatch_skew_step:ratio5m\n/\n(\n"
                  f"  clamp_min(train_job:syncwatch_skew_step:baseline, {t.skew_growth_floor:g})\n"
                  f"  and on (train_job)\n  {exact}\n"
+                 f"  and on (train_job)\n  group by (train_job) (syncwatch_slack_seconds_total "
+                 f"offset {c.d(w.baseline + w.baseline_offset)})\n"
                  f"  or on (train_job)\n"
                  f"  clamp_min(train_job:syncwatch_skew_step:baseline, {t.skew_growth_floor_estimate:g})\n)"},
         # --- oscillation: strongly negative lag-1 autocorrelation of step time
