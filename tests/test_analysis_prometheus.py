@@ -135,6 +135,27 @@ def checkpointing_series(job: str, rank0_only: bool, every: int = 200, seconds: 
     return out
 
 
+def rank0_saves_alone_series(job: str, every: int = 60, seconds: float = 7.5):
+    """Four ranks without the skew exchange (no slack, no last arrivals), 1 s steps with 200 ms of
+    sync; rank 0 alone saves ``seconds`` every ``every`` seconds (torch's DDP tutorial), in its
+    ``phase="checkpoint"``, while the other three wait for it in the next collective: the save
+    lands in their ``phase="sync"``."""
+    times = range(T0, T0 + SPAN + 1, SCRAPE)
+    out = []
+    for r in range(4):
+        lab = {"train_job": job, "rank": str(r), "instance": f"10.0.0.{r // 2}:9477"}
+        out.append(("syncwatch_rank_info", {**lab, "node": f"node-{r // 2}", "local_rank": str(r % 2)},
+                    [(t, 1) for t in times]))
+        for name in ("syncwatch_steps_total", "syncwatch_step_seconds_total"):
+            out.append((name, lab, [(t, float(t - T0)) for t in times]))
+        saved = [(t, (t - T0) // every * seconds) for t in times]
+        out.append(("syncwatch_phase_seconds_total", {**lab, "phase": "checkpoint"},
+                    [(t, s if r == 0 else 0.0) for t, s in saved]))
+        out.append(("syncwatch_phase_seconds_total", {**lab, "phase": "sync"},
+                    [(t, (t - T0) * 0.2 + (0.0 if r == 0 else s)) for t, s in saved]))
+    return out
+
+
 def autocorrelation_series(job: str, early: float, late: float):
     """``job_series`` with every rank's ``syncwatch_step_autocorrelation`` at ``early`` while its
     process has run up to 20 steps (T0 .. T0 + 20 s), at ``late`` after."""
@@ -167,6 +188,7 @@ def prom(tmp_path_factory):
               *young_exchange_series("young-exchange"),
               *checkpointing_series("every-rank-saves", rank0_only=False),
               *checkpointing_series("rank-0-saves", rank0_only=True),
+              *rank0_saves_alone_series("rank-0-saves-alone-no-exchange"),
               *autocorrelation_series("early-noise", -0.8, -0.1),
               *autocorrelation_series("oscillating", -0.8, -0.8)]
     with backfilled_prometheus(tmp_path_factory.mktemp("prom"), series) as p:
@@ -239,6 +261,17 @@ def test_a_straggler_s_slack_is_taken_over_the_steps_it_covers(prom, monkeypatch
     assert all(x == pytest.approx(collective, rel=0.1) for x in view.collective_series() if x is not None)
     d = _diagnose(monkeypatch, capsys, prom, "straggler-12s", T0 + 300, T0 + 900)
     assert [f["mode"] for f in d["findings"]] == ["straggler_persistent"]
+
+
+def test_without_the_exchange_rank_0_saving_alone_is_no_straggler(prom, monkeypatch, capsys):
+    """Estimated from the sync phase alone, rank 0 saving 7.5 s a minute while its peers waited
+    for it in the collective read as the last arrival of every window holding a save, its peers'
+    wait as slack: coupling 0.094. The skew exchange counts a rank's own pauses with its waits,
+    and the rules' estimate does too: then every rank waits as long, no one straggles."""
+    d = _diagnose(monkeypatch, capsys, prom, "rank-0-saves-alone-no-exchange", T0 + 300, T0 + 1500)
+    assert "coupling" in d["estimated"]
+    assert d["scores"]["coupling"] == pytest.approx(0.0, abs=0.005)
+    assert not [f["mode"] for f in d["findings"] if f["mode"].startswith("straggler")]
 
 
 def test_a_range_shorter_than_one_exchange_period_is_refused(prom, monkeypatch, capsys):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 
+from ..protocol import PAUSES
 from ..rules.thresholds import THRESHOLDS
 from .common import AnalysisError
 from .prom import Prometheus, label, quote
@@ -34,6 +35,8 @@ COUNTERS = {  # view field -> (metric, extra selector)
     "steps": ("syncwatch_steps_total", ""),
     "step_seconds": ("syncwatch_step_seconds_total", ""),
     "sync_seconds": ("syncwatch_phase_seconds_total", ',phase="sync"'),
+    # a rank's own planned pauses: without the exchange, counted with its waits, as the exchange does
+    "pause_seconds": ("syncwatch_phase_seconds_total", f',phase=~"{"|".join(PAUSES)}"'),
     "slack_seconds": ("syncwatch_slack_seconds_total", ""),
     "last_arrivals": ("syncwatch_last_arrivals_total", ""),
     "samples": ("syncwatch_samples_total", ""),
@@ -250,8 +253,10 @@ def estimate_from_waits(v: JobView) -> dict[str, dict[int, list[float | None]]]:
     """Slack and last arrivals per rank and window, estimated from the ranks' mean waits.
 
     Every rank is released from the collective together, so a difference of mean waits over a
-    window is a difference of mean arrival times. With w̄ᵢ rank i's mean wait (sync seconds /
-    steps) in the window: its slack is (w̄ᵢ − minⱼ w̄ⱼ) × its steps; the window's steps count as
+    window is a difference of mean arrival times. With w̄ᵢ rank i's mean wait ((sync + its own
+    checkpoint and eval seconds) / steps, as the exchange counts a wait, and the rules' estimate:
+    rank 0 saving alone while its peers wait for it in the collective is no late arrival) in the
+    window: its slack is (w̄ᵢ − minⱼ w̄ⱼ) × its steps; the window's steps count as
     last arrivals of the rank with the smallest mean wait, shared equally with every rank within
     ``last_arrival_tie`` of the mean step of it (the rules' estimate, per window instead of per
     minute). A persistent straggler is estimated well; jitter whose last rank changes from step
@@ -267,8 +272,9 @@ def estimate_from_waits(v: JobView) -> dict[str, dict[int, list[float | None]]]:
             n = row[i]
             sync = v.per_rank["sync_seconds"].get(r, [None] * len(v.times))[i]
             busy = v.per_rank["step_seconds"].get(r, [None] * len(v.times))[i]
+            paused = v.per_rank.get("pause_seconds", {}).get(r, [None] * len(v.times))[i] or 0.0
             if n and n > 0 and sync is not None and busy is not None:
-                steps[r], waits[r] = n, sync / n
+                steps[r], waits[r] = n, (sync + paused) / n
                 step_s += busy
         if len(waits) < 2:
             continue
