@@ -88,34 +88,44 @@ def test_exported_totals_equal_what_was_sent(daemon, client):
 def test_a_resent_last_step_brings_the_last_exchange_windows_totals(daemon, client):
     """At shutdown a rank sends its last step record again, with the skew exchange's last window
     in its totals. The daemon takes those totals (and rank 0's skew histogram) without counting
-    the step twice; the first copy arriving late, or a plain duplicate, changes nothing."""
+    the step twice; the first copy arriving late, or a plain duplicate, changes nothing. (The
+    late copies were followed by the resent ones again before the one scrape: a late copy
+    taken, its smaller totals or its older histogram, read as right.)"""
     import dataclasses
     sims = [RankSim(identity(r, world=2)) for r in range(2)]
+    early = SkewHistogram(8, 0.4, tuple(0 if b < 0.05 else 8 for b in SKEW_BUCKETS))
     last = {}
     for step in range(1, 11):
         for sim in sims:
             last[sim.ident.rank] = sim.step(step, 0.2, slack=0.01 * (step <= 5),
-                                             last_arrival=step <= 5)
+                                             last_arrival=step <= 5,
+                                             skew=early if (step, sim.ident.rank) == (10, 0) else None)
             client.send(last[sim.ident.rank])
-    for sim in sims:
-        sim.totals = dataclasses.replace(sim.totals, slack_seconds=sim.totals.slack_seconds + 0.04,
-                                         last_arrivals=sim.totals.last_arrivals + 5)
+    # the last window: rank 1 waited for the others (slack, last arrivals), rank 0 did not
+    sims[1].totals = dataclasses.replace(sims[1].totals, slack_seconds=sims[1].totals.slack_seconds
+                                         + 0.04, last_arrivals=sims[1].totals.last_arrivals + 5)
     skew = SkewHistogram(10, 0.5, tuple(0 if b < 0.05 else 10 for b in SKEW_BUCKETS))
     again = [sim.enc.step(10, WALL0 + 10, 0.2, 0.001, (0.2 / len(PHASES),) * len(PHASES), 20, 32.0,
                           3200.0, sim.totals, exact=True, skew=skew if sim.ident.rank == 0 else None)
              for sim in sims]
-    client.send(*again, last[0], last[1], *again)  # the first copies late, copies again
-    wait_records(daemon.url, 26)
-    m = scrape(daemon.url)
-    for r in range(2):
-        lab = dict(train_job="job-a", rank=r)
-        assert value(m, "syncwatch_slack_seconds_total", **lab) == pytest.approx(0.09)
-        assert value(m, "syncwatch_last_arrivals_total", **lab) == 10
-        assert value(m, "syncwatch_steps_total", **lab) == 10
-    node = dict(train_job="job-a", node="node-1")
-    assert value(m, "syncwatch_step_duration_seconds_count", **node) == 20  # no step twice
-    assert value(m, "syncwatch_barrier_skew_seconds_count", train_job="job-a") == 10
-    assert value(m, "syncwatch_barrier_skew_seconds_sum", train_job="job-a") == 0.5
+
+    def assert_resent_taken(handled: int) -> None:
+        wait_records(daemon.url, handled)
+        m = scrape(daemon.url)
+        for r, slack, arrivals in ((0, 0.05, 5), (1, 0.09, 10)):
+            lab = dict(train_job="job-a", rank=r)
+            assert value(m, "syncwatch_slack_seconds_total", **lab) == pytest.approx(slack), r
+            assert value(m, "syncwatch_last_arrivals_total", **lab) == arrivals, r
+            assert value(m, "syncwatch_steps_total", **lab) == 10
+        node = dict(train_job="job-a", node="node-1")
+        assert value(m, "syncwatch_step_duration_seconds_count", **node) == 20  # no step twice
+        assert value(m, "syncwatch_barrier_skew_seconds_count", train_job="job-a") == 10
+        assert value(m, "syncwatch_barrier_skew_seconds_sum", train_job="job-a") == 0.5
+
+    client.send(*again, last[0], last[1])  # the first copies arrive late
+    assert_resent_taken(24)
+    client.send(*again)  # plain duplicates
+    assert_resent_taken(26)
 
 
 def test_step_cv_and_autocorrelation_over_the_window(sock_path):
