@@ -120,6 +120,37 @@ def test_eagain_burst_is_retried_and_delivered_after_reader_resumes(sock_path):
     assert value(m, "syncwatch_step_duration_seconds_count", train_job="job-a", node="node-1") == 50
 
 
+def test_records_sent_while_the_retry_queue_drains_join_it_in_order(sock_path):
+    """While records wait in the retry queue (the daemon's socket was full), new ones join it:
+    sent at once into room the reader has just made, they would overtake the queued ones, which
+    the daemon then discards as out of order. The test above sends nothing while its queue
+    drains: a sender that let new records overtake passed it."""
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # a daemon's socket, read by hand
+    rx.bind(sock_path)
+    rx.settimeout(5)
+    s = Sender(sock_path, retry_seconds=10.0)
+    sent = 0
+
+    def send():
+        nonlocal sent
+        sent += 1
+        assert s.send(b"%d" % sent)
+    try:
+        while s.pending() < 5:  # the socket's queue is full, and 5 records wait in the sender's
+            send()
+        got = []
+        for _ in range(20):  # the reader makes room for one record; the rank sends one meanwhile
+            got.append(int(rx.recv(64)))
+            send()
+        while len(got) < sent:
+            got.append(int(rx.recv(64)))
+    finally:
+        s.close()
+        rx.close()
+    assert got == list(range(1, sent + 1))
+    assert (s.sent, s.dropped) == (sent, 0)
+
+
 def _send_unprivileged(path: str, records: list[bytes]) -> dict:
     """Send ``records`` through a fresh Sender in a child without root's rights (root ignores
     file modes) and report its counts and what it logged."""
