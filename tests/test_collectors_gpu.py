@@ -136,6 +136,24 @@ def test_gpu_cases(name, mutate, expected, n_errors):
         assert text.count(UUID3) == 1  # only the up series remains for the lost GPU
 
 
+def test_thermal_reads_1_for_either_thermal_slowdown():
+    """``thermal`` is sw_thermal or hw_thermal. The thermal_throttling case sets both bits: a
+    ``thermal`` read from one of them alone (a GPU slowed by its hardware sensor read as not
+    throttling thermally), or from both together, passed it."""
+    fake = FakeNvml(healthy_node(4))
+    fake.gpus[1].reasons = N.nvmlClocksEventReasonSwThermalSlowdown
+    fake.gpus[2].reasons = N.nvmlClocksEventReasonHwThermalSlowdown
+    fake.gpus[3].reasons = N.nvmlClocksEventReasonSwPowerCap | N.nvmlClocksEventReasonHwSlowdown
+    reg = cycle(GpuCollector(nvml=fake))[0]
+
+    def active(reason):
+        return [reg.get_sample_value("syncwatch_gpu_throttle_active", labels(i, reason=reason))
+                for i in range(4)]
+    assert active("thermal") == [0, 1, 1, 0]
+    assert active("sw_thermal") == [0, 1, 0, 0]
+    assert active("hw_thermal") == [0, 0, 1, 0]
+
+
 def test_lost_gpu_comes_back():
     fake = FakeNvml()
     collector = GpuCollector(nvml=fake)
