@@ -365,12 +365,22 @@ def test_gpu_gone_from_the_enumeration_after_nvml_comes_back_reads_down(caplog):
     gone.error = None
     fake.enumerate_at_next_init(fake.gpus + [gone])
     reinit(collector, fake)
-    reg, errors, families = cycle(collector)
+    with caplog.at_level(logging.INFO, logger="syncwatch.collectors"):
+        reg, errors, families = cycle(collector)
     assert errors == []
     assert reg.get_sample_value(up, {"gpu": "7", "uuid": UUID3}) == 1
     assert reg.get_sample_value("syncwatch_gpu_temperature_celsius", {"gpu": "7", "uuid": UUID3}) == 43
     assert reg.get_sample_value(up, labels(3)) is None
     assert sum(s.value == 0 for f in families if f.name == up for s in f.samples) == 0
+    assert f"gpu 7 ({UUID3}) is enumerated again (it was gpu 3 before it went)" in caplog.text
+
+    # gone again: warned about again (the warning was once per disappearance, not once for good)
+    fake.fall_off_bus(7)
+    reinit(collector, fake)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="syncwatch.collectors"):
+        assert cycle(collector)[0].get_sample_value(up, {"gpu": "7", "uuid": UUID3}) == 0
+    assert len([r for r in caplog.records if UUID3 in r.getMessage()]) == 1, caplog.text
 
 
 def test_a_node_that_never_had_the_gpu_is_unaffected():
