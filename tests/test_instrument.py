@@ -47,6 +47,24 @@ def rx(sock_path):
     r.close()
 
 
+@pytest.fixture
+def monitor_args(monkeypatch):
+    """The keyword arguments ``init()`` makes its Monitor with (it still makes it): what it took
+    for each setting, where a rank of world size 1 shows it nowhere else (no exchange is made)."""
+    import syncwatch.instrument as sw
+    given = []
+    real = sw.Monitor
+
+    def spy(*args, **kwargs):
+        given.append(kwargs)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(sw, "Monitor", spy)
+    return given
+
+
+DEFAULT_SETTINGS = {"exchange_every": 50, "exchange_seconds": 30.0, "heartbeat_seconds": 5.0}
+
+
 def make_monitor(rx, **kw):
     kw.setdefault("heartbeat_seconds", 0)
     return Monitor(kw.pop("identity", IDENT), Sender(rx.path), **kw)
@@ -2574,7 +2592,7 @@ def test_a_second_init_while_running_says_it_is_ignored_without_blaming_syncwatc
     ("SYNCWATCH_SKEW_SECONDS", "-5"), ("SYNCWATCH_SKEW_SECONDS", "nan"),
     ("SYNCWATCH_DEVICE", "gpu"), ("SYNCWATCH_DEVICE", "cuda")])
 def test_a_bad_environment_value_is_said_once_and_its_default_taken(
-        rx, sock_path, caplog, monkeypatch, var, value):
+        rx, sock_path, caplog, monkeypatch, monitor_args, var, value):
     """What ``syncwatch-run`` refuses before the command runs, set in the environment of a script
     using the API: a heartbeat of -1, ``nan`` or 0 sent none (``inf`` none after the first) (the
     daemon then has no phase or liveness of the rank), a negative K turned the exchange off, a
@@ -2594,6 +2612,9 @@ def test_a_bad_environment_value_is_said_once_and_its_default_taken(
         assert m is not None
         assert wait_for(lambda: rx.of(HeartbeatRecord))  # heartbeats on, every 5 s
         assert (m.exchange_seconds, m.clock.lazy) == (30.0, False)
+        # the defaults taken, not only said: a K of -3 or a heartbeat of inf taken after the
+        # warning passed (world size 1: no exchange, and inf still sends the first heartbeat)
+        assert {k: monitor_args[0][k] for k in DEFAULT_SETTINGS} == DEFAULT_SETTINGS
     finally:
         sw.shutdown()
         dist.destroy_process_group()
@@ -2626,7 +2647,7 @@ def test_a_socket_argument_wins_over_an_inherited_syncwatch_udp(rx, sock_path, m
     ("heartbeat_seconds", True), ("exchange_every", -3), ("exchange_every", 2.5),
     ("exchange_every", "10"), ("exchange_seconds", -5), ("exchange_seconds", float("nan"))])
 def test_a_bad_numeric_argument_is_said_once_and_its_default_taken(
-        rx, sock_path, caplog, monkeypatch, arg, value):
+        rx, sock_path, caplog, monkeypatch, monitor_args, arg, value):
     """``init(heartbeat_seconds=-1)`` or ``nan`` sent no heartbeat, ``exchange_every=-3``
     turned the exchange off and ``exchange_seconds=-5`` was taken as 0, all without a word,
     where the ``SYNCWATCH_*`` variables with the same values warned; ``heartbeat_seconds="5"``
@@ -2645,6 +2666,9 @@ def test_a_bad_numeric_argument_is_said_once_and_its_default_taken(
         m.step(samples=2)
         assert steps(rx, 1)
         assert m.exchange_seconds == 30.0
+        # the default taken, not only said (see the environment's test); the others as set
+        taken = {**DEFAULT_SETTINGS, "heartbeat_seconds": 5.0 if arg == "heartbeat_seconds" else 0.01}
+        assert {k: monitor_args[0][k] for k in DEFAULT_SETTINGS} == taken
         if arg == "heartbeat_seconds":
             time.sleep(0.3)  # every 5 s, not the variable's 0.01
             assert len(rx.of(HeartbeatRecord)) == 1
