@@ -2843,6 +2843,42 @@ def test_a_step_with_two_gradient_syncs_waits_their_sum(rx, ddp_world1, path):
         m.shutdown()
 
 
+@pytest.mark.parametrize("path", ["hook-free", "wrapper"])
+def test_a_synchronized_backward_advances_the_sequence_by_ddps_buckets(rx, ddp_world1, path):
+    """A DDP model of several buckets launches one all-reduce per bucket, and a synchronized
+    backward advances the collective sequence by as many. The models of the other DDP tests have
+    one bucket: a sequence advanced by 1 a backward passed them. DDP launches one bucket in its
+    first backward and rebuilds them (here: 3 buckets of 576 bytes) in the second's forward; the
+    hook-free path reads the count from DDP's logging data, which shows the rebuilt buckets one
+    backward late (the wrapper counts the buckets' hook calls): compared from the third on."""
+    torch = ddp_world1
+    import syncwatch.instrument as sw
+    from syncwatch.instrument import _state
+    from torch import nn
+    m = make_monitor(rx)
+    _state.set_monitor(m)
+    try:
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)]), bucket_cap_mb=0.0005)
+        if path == "wrapper":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+            sw.register(ddp, hook=allreduce_hook, state=None, collectives=False)
+        else:
+            sw.register(ddp, collectives=False)
+        x = torch.randn(4, 8)
+        for _ in range(5):
+            train_step(m, ddp, torch, x)
+        assert ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes") == "576, 576, 576"
+        recs = steps(rx, 5)
+        seq = [r.collective_sequence for r in recs]
+        assert seq[0] == 1 and [b - a for a, b in zip(seq[1:], seq[2:])] == [3, 3, 3], seq
+        assert recs[-1].totals.internal_errors == 0
+    finally:
+        _state.set_monitor(None)
+        m.shutdown()
+
+
 def test_with_unused_parameters_allowed_the_first_and_last_4_are_watched(rx, ddp_world1):
     """With ``find_unused_parameters`` the first parameter may get no gradient: the wait is
     still measured through another watched one."""
