@@ -210,7 +210,11 @@ def test_no_reference_is_leaked(Notes):
     code, mark, samples = object(), object(), object()
     n = Notes(code, lambda: 0)
     sink = collections.deque(maxlen=1)
-    n.bind(sink.append, lambda: mark, print)
+
+    def clock():
+        return mark
+    n.bind(sink.append, clock, print)
+    binding = weakref.ref(clock)  # held by the binding, which each call holds while it runs
     p, m, r = n.phase(code, code), n.mark(code), n.relay(code, samples, lambda: samples)
     before = [sys.getrefcount(o) for o in (code, mark, samples)]
     for _ in range(1000):
@@ -221,6 +225,9 @@ def test_no_reference_is_leaked(Notes):
         n.step(samples, samples, samples)
     sink.clear()
     assert [sys.getrefcount(o) for o in (code, mark, samples)] == before
+    n.bind()  # unbound: once each call let go of the binding, nothing holds it
+    del clock
+    assert binding() is None  # a leaked binding kept the monitor's put and on_error (itself)
 
 
 @pytest.mark.parametrize("Notes", IMPLEMENTATIONS)
