@@ -89,6 +89,26 @@ def test_success_duration_and_isolation():
         assert value(runner, "syncwatch_collector_duration_seconds", collector=name) == seconds
 
 
+def test_a_cycle_over_its_timeout_is_a_failure_though_it_returned_data(caplog):
+    """An update that returns, clean, after its timeout: its data is served, and the cycle reads
+    failed (success 0, one error logged); the next one in time reads 1 again. The hanging test
+    only looks while the call is stuck, and no other collector here overran: a runner that took
+    a late cycle for a clean one passed them."""
+    clock = Clock()
+    slow = Taking(Const(), clock, 2.5)
+    runner = CollectorRunner({"slow": slow}, timeout=2.0, clock=clock)
+    with caplog.at_level(logging.ERROR, logger="syncwatch.collectors"):
+        runner.run_once()
+    assert value(runner, "syncwatch_collector_success", collector="slow") == 0
+    assert value(runner, "syncwatch_collector_duration_seconds", collector="slow") == 2.5
+    assert value(runner, "syncwatch_test_value", device="a") == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "collector slow: update took 2.500s, over the 2s timeout"]
+    slow.seconds = 1.0
+    runner.run_once()
+    assert value(runner, "syncwatch_collector_success", collector="slow") == 1
+
+
 def test_errors_are_logged_rate_limited(caplog):
     clock = [0.0]
     runner = CollectorRunner({"broken": Broken()}, clock=lambda: clock[0])
