@@ -115,6 +115,9 @@ def test_the_nonce_tells_processes_with_one_pid_apart():
 
 
 def test_unknown_fields():
+    ident = IDENT.encode() + b"\0"  # a byte after the identity block's strings
+    body = step_bytes()[HEADER.size + len(IDENT.encode()):]
+    assert reason_of(HEADER.pack(b"SW", VERSION, 1, len(ident)) + ident + body) == "unknown_fields"
     data = step_bytes()
     assert reason_of(data + b"\x01") == "unknown_fields"
     flags_at = len(data) - 1
@@ -140,6 +143,7 @@ def _with_identity(fixed: tuple, strings=(b"job", b"node", b"")) -> bytes:
     ((0, 0, 4, 0, -1, 1, 9), (b"j" * 129, b"node", b"")),     # longer than 128
     ((0, 0, 4, 0, -1, 1, 9), (b"job", b"\xff\xfe", b"")),     # not UTF-8
     ((0, 0, 4, 0, -1, 1, 9), (b"job", b"n\xc3\xa9", b"")),    # UTF-8 but outside the label set
+    ((0, 0, 4, 0, -1, 1, 9), (b"job", b"node", b"GPU 1")),    # a gpu_uuid outside it
 ])
 def test_bad_identity(fixed, strings):
     assert reason_of(_with_identity(fixed, strings)) == "bad_identity"
@@ -210,6 +214,9 @@ def test_bad_heartbeat_and_end_values():
     end = bytearray(enc.end(WALL, 1))
     end[-1] = 9
     assert reason_of(bytes(end)) == "bad_value"
+    for wall in (0.0, float("nan")):  # a record's own wall time: not a plausible unix time
+        assert reason_of(enc.heartbeat(wall, 1, WALL, "sync", 1.0, 1)) == "bad_value"
+        assert reason_of(enc.end(wall, 1)) == "bad_value"
 
 
 def _end_with(last_step: int) -> bytes:
