@@ -151,6 +151,46 @@ def test_records_sent_while_the_retry_queue_drains_join_it_in_order(sock_path):
     assert (s.sent, s.dropped) == (sent, 0)
 
 
+def test_the_retry_queue_drops_its_oldest_when_full_and_what_ages_out(sock_path):
+    """The sender's contract: a record in the retry queue is dropped and counted only when the
+    queue overflows (the oldest goes) or the record waited ``retry_seconds``. The EAGAIN tests
+    never filled the queue nor let a record age: a sender whose queue grew without bound, or
+    that retried a record for ever, passed them."""
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # a daemon's socket, not read yet
+    rx.bind(sock_path)
+    rx.settimeout(0.5)
+    s = Sender(sock_path, retry_seconds=10.0, retry_queue=4)
+    aging = Sender(sock_path, retry_seconds=0.2)
+    try:
+        n = 0
+        while s.pending() < 4:  # the socket's queue full, then the sender's
+            n += 1
+            assert s.send(b"%d" % n)
+        for _ in range(6):  # six more: each pushes the oldest waiting one out
+            n += 1
+            assert s.send(b"%d" % n)
+        assert (s.pending(), s.dropped) == (4, 6)
+        got = []
+        try:
+            while True:
+                got.append(int(rx.recv(64)))
+        except socket.timeout:
+            pass
+        queued = len(got) - 4  # what the socket held, then the 4 the sender kept: the newest
+        assert got == list(range(1, queued + 1)) + list(range(n - 3, n + 1)), got
+        assert (s.sent, s.dropped, s.pending()) == (len(got), 6, 0)
+
+        while aging.pending() < 2:  # nobody reads: they wait retry_seconds, then go
+            assert aging.send(b"0")
+        assert aging.dropped == 0
+        assert wait_for(lambda: aging.pending() == 0, 5, "the waiting records to age out")
+        assert aging.dropped == 2
+    finally:
+        s.close()
+        aging.close()
+        rx.close()
+
+
 def _send_unprivileged(path: str, records: list[bytes]) -> dict:
     """Send ``records`` through a fresh Sender in a child without root's rights (root ignores
     file modes) and report its counts and what it logged."""
