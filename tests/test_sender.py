@@ -144,11 +144,12 @@ def test_records_sent_while_the_retry_queue_drains_join_it_in_order(sock_path):
             send()
         while len(got) < sent:
             got.append(int(rx.recv(64)))
+        assert s.flush(5.0)  # the retry thread is done with the last one (close() counts what waits)
+        assert got == list(range(1, sent + 1))
+        assert (s.sent, s.dropped) == (sent, 0)
     finally:
         s.close()
         rx.close()
-    assert got == list(range(1, sent + 1))
-    assert (s.sent, s.dropped) == (sent, 0)
 
 
 def test_the_retry_queue_drops_its_oldest_when_full_and_what_ages_out(sock_path):
@@ -176,6 +177,7 @@ def test_the_retry_queue_drops_its_oldest_when_full_and_what_ages_out(sock_path)
                 got.append(int(rx.recv(64)))
         except socket.timeout:
             pass
+        assert s.flush(5.0)
         queued = len(got) - 4  # what the socket held, then the 4 the sender kept: the newest
         assert got == list(range(1, queued + 1)) + list(range(n - 3, n + 1)), got
         assert (s.sent, s.dropped, s.pending()) == (len(got), 6, 0)
