@@ -97,9 +97,9 @@ def test_a_resent_last_step_brings_the_last_exchange_windows_totals(daemon, clie
     last = {}
     for step in range(1, 11):
         for sim in sims:
+            skewed = (step, sim.ident.rank) == (10, 0)
             last[sim.ident.rank] = sim.step(step, 0.2, slack=0.01 * (step <= 5),
-                                             last_arrival=step <= 5,
-                                             skew=early if (step, sim.ident.rank) == (10, 0) else None)
+                                             last_arrival=step <= 5, skew=early if skewed else None)
             client.send(last[sim.ident.rank])
     # the last window: rank 1 waited for the others (slack, last arrivals), rank 0 did not
     sims[1].totals = dataclasses.replace(sims[1].totals, slack_seconds=sims[1].totals.slack_seconds

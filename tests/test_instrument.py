@@ -2667,7 +2667,8 @@ def test_a_bad_numeric_argument_is_said_once_and_its_default_taken(
         assert steps(rx, 1)
         assert m.exchange_seconds == 30.0
         # the default taken, not only said (see the environment's test); the others as set
-        taken = {**DEFAULT_SETTINGS, "heartbeat_seconds": 5.0 if arg == "heartbeat_seconds" else 0.01}
+        heartbeat = 5.0 if arg == "heartbeat_seconds" else 0.01
+        taken = {**DEFAULT_SETTINGS, "heartbeat_seconds": heartbeat}
         assert {k: monitor_args[0][k] for k in DEFAULT_SETTINGS} == taken
         if arg == "heartbeat_seconds":
             time.sleep(0.3)  # every 5 s, not the variable's 0.01

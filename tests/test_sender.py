@@ -144,7 +144,7 @@ def test_records_sent_while_the_retry_queue_drains_join_it_in_order(sock_path):
             send()
         while len(got) < sent:
             got.append(int(rx.recv(64)))
-        assert s.flush(5.0)  # the retry thread is done with the last one (close() counts what waits)
+        assert s.flush(5.0)  # the retry thread done with the last one: close() counts what waits
         assert got == list(range(1, sent + 1))
         assert (s.sent, s.dropped) == (sent, 0)
     finally:
