@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -147,6 +148,48 @@ def test_records_sent_while_the_retry_queue_drains_join_it_in_order(sock_path):
         assert s.flush(5.0)  # the retry thread done with the last one: close() counts what waits
         assert got == list(range(1, sent + 1))
         assert (s.sent, s.dropped) == (sent, 0)
+    finally:
+        s.close()
+        rx.close()
+
+
+def test_a_record_the_retry_thread_sends_as_the_sender_closes_is_counted_once(sock_path):
+    """close() counted every queued record as dropped, the one the retry thread had just sent
+    but not yet taken off the queue included, and the thread then counted it as sent too: a
+    record counted twice, one too many drops. Here close() comes between that send and the
+    queue's update."""
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # a daemon's socket, read by hand
+    rx.bind(sock_path)
+    rx.setblocking(False)
+    s = Sender(sock_path, retry_seconds=10.0)
+    send, closer = s._try_send, []
+
+    def send_then_close(data):
+        if threading.current_thread().name != "syncwatch-sender" or closer:
+            return send(data)
+        rx.recv(64)  # room for the queued record, which leaves now
+        ok = send(data)
+        closer.append(threading.Thread(target=s.close))
+        closer[0].start()
+        time.sleep(0.05)  # close() runs before this thread takes the record off its queue
+        return ok
+    try:
+        n = 0
+        while s.pending() < 1:  # the socket's queue full: the next records wait in the sender's
+            n += 1
+            assert s.send(b"%d" % n)
+        s._try_send = send_then_close
+        s._wake.set()
+        wait_for(lambda: closer and not closer[0].is_alive(), 5.0, "close()")
+        s._thread.join(5.0)  # the retry thread done with its record too
+        received = 1  # the one read to make room
+        while True:
+            try:
+                rx.recv(64)
+            except BlockingIOError:
+                break
+            received += 1
+        assert (s.sent, s.dropped) == (received, n - received)
     finally:
         s.close()
         rx.close()

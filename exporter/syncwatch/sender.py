@@ -309,6 +309,11 @@ class Sender:
     def close(self) -> None:
         self._closed = True
         self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            # a record the retry thread is sending is its to count: sent, it was counted as
+            # dropped here too (still at the queue's head), a record counted twice
+            thread.join(0.1)
         with self._lock:
             self.dropped += len(self._pending)
             self._pending.clear()
