@@ -176,7 +176,8 @@ def watch_gradients(model) -> Handle:
     managed = getattr(model, "_module_parameters", None) or list(model.parameters())
     params = [p for p in managed if p.requires_grad]
     if len(params) > watched:
-        params = params[:watched // 2 + watched % 2] + params[len(params) - watched // 2:]
+        last = watched // 2  # none where one is watched
+        params = params[:watched - last] + params[len(params) - last:]
     for p in params:
         handle.add(p.register_post_accumulate_grad_hook(gradient_accumulated).remove)
     model._syncwatch_watched = True
