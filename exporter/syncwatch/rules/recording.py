@@ -100,9 +100,9 @@ def recording_rules(c: Ctx) -> list[dict]:
         # counter CV 2.0 (bad at 0.035) for the next 10 minutes.
         # The three counters' changes over the minute are read between the same two scrapes
         # (``x - x offset 1m``), not with rate(): rate() extrapolates each counter to the window's
-        # edges, but a counter no further from 0 than its rise in the window (a job's first
-        # checkpoint or evaluation, from 0) not toward its start, so the first save's minute
-        # subtracted less of it than the step time held: 0.79 s for 0.59 s steps at a 3 s save,
+        # edges, except toward the start where that would take it below 0 (a job's first
+        # checkpoint or evaluation: its counter from 0), so the first save's minute subtracted
+        # less of it than the step time held: 0.79 s for 0.59 s steps at a 3 s save,
         # 4.9 s at a 15 s evaluation, and the counter CV was 1 (bad at 0.035) for 10 minutes.
         {"record": "train_job:syncwatch_step_seconds:mean1m",
          "expr": f"min by (train_job) (\n"
