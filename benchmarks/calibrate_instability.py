@@ -6,7 +6,7 @@ rules' windows (5m means, a 30m baseline ending 10m back, 1h re-run window) need
 The score is computed here exactly as the recording rules compute it, from the same thresholds
 (``syncwatch.rules.thresholds``), on what the daemon would export: the rolling step CV and lag-1
 autocorrelation over the last W = 100 steps (each step less its checkpoint and eval phases, as
-the daemon reads them), the barrier skew (max - min wait) per step, re-run steps per executed
+the daemon reads them; the CV over those of them in the last 240 s of steps, ``--cv-seconds``), the barrier skew (max - min wait) per step, re-run steps per executed
 step, and restarts in the last hour. ``checkpointing`` is the healthy cluster with a 20 s
 checkpoint every 300 steps from the start, ``rank0-saves`` the same on global rank 0 alone (the
 others wait for it in the collective; the CV read is rank 0's, the least disturbed rank's, as the
@@ -28,6 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
 
+from syncwatch.daemon.config import DaemonConfig  # noqa: E402
+from syncwatch.daemon.state import cv_steps  # noqa: E402
 from syncwatch.rules.thresholds import THRESHOLDS as T, WINDOWS as WIN  # noqa: E402
 from syncwatch.sim.model import (I_CKPT, I_EVAL, Model, Restart,  # noqa: E402
                                  lag1_autocorrelation, step_cv)
@@ -85,7 +87,8 @@ def run(name: str, seed: int, nodes: int, rpn: int) -> dict[str, float]:
         # as the daemon's window and mean1m read it
         paced = ev.step_seconds - ev.phases[0][I_CKPT] - ev.phases[0][I_EVAL]
         recent = (recent + [paced])[-W:]
-        samples.append((model.time, step_cv(recent), lag1_autocorrelation(recent), ev.skew,
+        cv = step_cv(recent[len(recent) - cv_steps(recent, DaemonConfig.cv_seconds):])
+        samples.append((model.time, cv, lag1_autocorrelation(recent), ev.skew,
                         ev.step_seconds, rerun, model.executed, paced))
     now = samples[-1][0]
 

@@ -154,8 +154,10 @@ def build() -> db.Dashboard:
             .min(0).legend(legend_table("mean", "max", "lastNotNull")))
         .with_panel(
             panel(timeseries.Panel(), "Step time CV",
-                  "Coefficient of variation of step time over each rank's last W steps, each "
-                  "step less the rank's own checkpoint and eval time. Synchronous ranks share one "
+                  "Coefficient of variation of step time over each rank's steps of the last "
+                  "--cv-seconds of the daemon (4 minutes by default; at most its last W steps, at "
+                  "least 4), each step less the rank's own checkpoint and eval time: one slow step "
+                  "shows as a jump that falls back that much later. Synchronous ranks share one "
                   "step time, so the lines agree, unless ranks waited through a peer's checkpoint "
                   "or evaluation (rank 0 saving alone): those waits are the worst rank's, which "
                   "the alerts leave out by reading the least disturbed rank. The variance alert "

@@ -147,6 +147,64 @@ def test_step_cv_and_autocorrelation_over_the_window(sock_path):
     assert ac < -0.5  # the alternating pattern reads as oscillation
 
 
+def _tail_cv(xs, seconds, least=4):
+    """The CV of the latest of ``xs`` that add up to at most ``seconds`` (at least ``least``)."""
+    n = least
+    while n < len(xs) and sum(xs[-(n + 1):]) <= seconds:
+        n += 1
+    tail = xs[-n:]
+    return statistics.pstdev(tail) / statistics.mean(tail)
+
+
+def _working(sim, step, seconds):
+    """A step record whose time is all work (no checkpoint or eval, which the CV leaves out)."""
+    return sim.step(step, seconds, phases=(seconds,) + (0.0,) * (len(PHASES) - 1))
+
+
+def test_step_cv_is_over_the_last_cv_seconds_of_steps_so_one_stall_leaves_it(sock_path):
+    """At 10 s steps a CV over W = 100 steps held one 30 s stall for 17 minutes, past the
+    variance alert's 10m: one stall paged. The CV is over the steps of the last 240 s (at least
+    4); the autocorrelation still over all W."""
+    rng = random.Random(11)
+    before = [rng.uniform(9.8, 10.2) for _ in range(40)]
+    after = [rng.uniform(9.8, 10.2) for _ in range(30)]
+    durations = before + [30.0] + after
+    with DaemonThread(config(sock_path, window=100)) as d:
+        sim, c = RankSim(identity(0)), Client(d.socket_path)
+        c.send(_working(sim, 1, 10.0), *(_working(sim, i + 2, x) for i, x in enumerate(durations[:45])))
+        wait_records(d.url, 46)
+        with_stall = value(scrape(d.url), "syncwatch_step_cv", train_job="job-a", rank=0)
+        c.send(*(_working(sim, i + 47, x) for i, x in enumerate(durations[45:])))
+        wait_records(d.url, 72)
+        m = scrape(d.url)
+    assert with_stall == pytest.approx(_tail_cv(durations[:45], 240.0), rel=1e-9)
+    assert with_stall > 0.25            # 30 s among 10 s steps: well over the page's 0.15
+    cv = value(m, "syncwatch_step_cv", train_job="job-a", rank=0)
+    assert cv == pytest.approx(_tail_cv(durations, 240.0), rel=1e-9)
+    assert 30.0 not in durations[-24:] and cv < 0.02  # 24 steps (240 s) later the stall is out
+    assert statistics.pstdev(durations) / statistics.mean(durations) > 0.15  # W would hold it
+    dev = [x - statistics.mean(durations) for x in durations]
+    assert value(m, "syncwatch_step_autocorrelation", train_job="job-a", rank=0) == pytest.approx(
+        sum(a * b for a, b in zip(dev, dev[1:])) / sum(e * e for e in dev), rel=1e-9)
+
+
+@pytest.mark.parametrize("cv_seconds, step, steps", [(240.0, 100.0, 4), (math.inf, 10.0, 30),
+                                                     (240.0, 0.5, 30)])
+def test_step_cv_holds_at_least_4_steps_and_at_most_the_window(sock_path, cv_seconds, step, steps):
+    """Steps slower than a quarter of --cv-seconds: the last 4. --cv-seconds inf, or fast steps:
+    every step of the window."""
+    rng = random.Random(12)
+    durations = [step * rng.uniform(0.9, 1.1) for _ in range(30)]
+    with DaemonThread(config(sock_path, window=100, cv_seconds=cv_seconds)) as d:
+        sim, c = RankSim(identity(0)), Client(d.socket_path)
+        c.send(_working(sim, 1, step), *(_working(sim, i + 2, x) for i, x in enumerate(durations)))
+        wait_records(d.url, 31)
+        m = scrape(d.url)
+    tail = durations[-steps:]
+    assert value(m, "syncwatch_step_cv", train_job="job-a", rank=0) == pytest.approx(
+        statistics.pstdev(tail) / statistics.mean(tail), rel=1e-9)
+
+
 def test_step_cv_leaves_each_process_s_first_step_out(sock_path):
     """A process's first step is its warm-up (setup, a checkpoint load, compilation): 60 s before
     5 s steps would read CV ~1 for the whole window. The CV reads the steps after it; a
@@ -1058,6 +1116,8 @@ def test_a_bad_address_is_shown_an_example_of_its_own_flag(flags, says):
     ("SYNCWATCH_LISTEN", "10.0.0.5", "--listen (from SYNCWATCH_LISTEN): listen must look like "
                                      "127.0.0.1:9477, got '10.0.0.5'"),
     ("SYNCWATCH_WINDOW", "1", "--window (from SYNCWATCH_WINDOW): window must be at least 3 steps, got 1"),
+    ("SYNCWATCH_CV_SECONDS", "nan", "--cv-seconds (from SYNCWATCH_CV_SECONDS): cv_seconds must be a "
+                                    "positive number of seconds (inf: the whole window), got nan"),
     ("SYNCWATCH_LOG_LEVEL", "verbose", "--log-level (from SYNCWATCH_LOG_LEVEL) must be debug, info, "
                                        "warning or error, got 'verbose'"),
     ("SYNCWATCH_COLLECTOR_INTERVAL", "0", "--collector.interval (from SYNCWATCH_COLLECTOR_INTERVAL) "

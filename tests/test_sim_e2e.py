@@ -4,6 +4,7 @@ Also the golden exposition of a fixed simulated scenario. Regenerate it after an
 with ``SYNCWATCH_UPDATE_GOLDEN=1 python -m pytest tests/test_sim_e2e.py`` and review the diff.
 """
 
+import math
 import os
 import re
 import tempfile
@@ -199,6 +200,24 @@ def test_a_checkpoint_on_rank_0_alone_is_its_peers_sync(cluster):
             for r in (0, 1)} == {r: truth.last_arrivals[r] for r in (0, 1)}
     assert max(slack.values()) < 5.0
     assert value(sm, "syncwatch_barrier_skew_seconds_sum", train_job=job) < 5.0
+
+
+def test_one_stall_among_slow_steps_leaves_the_cv_after_cv_seconds_of_steps(cluster):
+    """~10 s steps and one 30 s stall in rank 0's data loading at step 60. Just after it the
+    exported CV is well over the variance page's 0.15; 240 s of steps later (--cv-seconds) it
+    is back at the jitter's, though the last W = 100 steps still hold the stall. On every rank
+    (they all wait for rank 0), each time the truth's."""
+    params = dict(compute_seconds=10.0 / 1.15, stall_at=(60,), stall_at_seconds=30.0 / (10.0 / 1.15))
+    daemons = cluster(2)
+    runs = {steps: run_through([d], "healthy", 1, 2, steps, params=params)
+            for d, steps in zip(daemons, (63, 90))}
+    for steps, (truth, scraped) in runs.items():
+        for rank in (0, 1):
+            cv = value(scraped[0], "syncwatch_step_cv", train_job=truth.job, rank=rank)
+            assert cv == pytest.approx(truth.cv(), rel=1e-9)
+            assert (cv > 0.3) if steps == 63 else (cv < 0.05)
+    truth = runs[90][0]
+    assert max(truth.window_step_seconds) > 35 and truth.cv(seconds=math.inf) > 0.15
 
 
 def test_truths_window_is_the_daemons_after_a_restart(cluster):

@@ -307,14 +307,34 @@ def test_the_longest_step_bounds_every_step_the_model_gives():
     """Every effect at once, compute_seconds just inside the limit: no step, phase or wait passes
     it (``random.gauss`` never draws beyond ``GAUSS_MAX`` sigmas, a stall stops at its cap)."""
     p = Params(nodes=2, ranks_per_node=4, jitter=0.02, stall_probability=0.5, stall_seconds=0.5,
-               oscillation=0.5, thermal_amplitude=-0.5, thermal_period_steps=7, straggler_rank=3,
+               oscillation=0.5, thermal_amplitude=-0.5, thermal_period_steps=7, straggler_rank=0,
                straggler_slowdown=1.0, checkpoint_every=2, checkpoint_seconds=0.5, eval_every=3,
                eval_seconds=0.5, congestion_rate=0.1, congestion_every=5,
-               scheduled_congestion_factor=10.0)
+               scheduled_congestion_factor=10.0, stall_at=tuple(range(1, 3001)),
+               stall_at_seconds=2.0)
     p = p.with_(compute_seconds=0.999 * MAX_SECONDS / p.longest_step_seconds)
     steps = steps_of(p, 3000)
     assert max(s.step_seconds for s in steps) <= p.longest_step_seconds <= MAX_SECONDS
     assert max(s.step_seconds for s in steps) > 0.8 * MAX_SECONDS  # nor far beyond the longest
+
+
+def test_a_one_off_stall_lands_on_rank_0_s_data_phase_at_its_step():
+    """``stall_at``: rank 0's data phase at step 30 takes 3 x compute longer, and that step is
+    everyone's (they wait for rank 0); the draws are the run's without it."""
+    base = Params(nodes=2, ranks_per_node=2, compute_seconds=2.0)
+    plain, stalled = steps_of(base, 40), steps_of(base.with_(stall_at=(30,), stall_at_seconds=3.0), 40)
+    for a, b in zip(plain, stalled):
+        extra = 6.0 if a.step == 30 else 0.0
+        assert b.phases[0][0] == pytest.approx(a.phases[0][0] + extra)
+        assert [p[0] for p in b.phases[1:]] == [p[0] for p in a.phases[1:]]
+        assert b.step_seconds == pytest.approx(a.step_seconds + extra, abs=0.4)
+    assert stalled[29].step_seconds > 3 * plain[29].step_seconds
+
+
+@pytest.mark.parametrize("stall_at", [(0,), (5, -1), (2.5,), (True,)])
+def test_one_off_stalls_need_step_numbers(stall_at):
+    with pytest.raises(ValueError, match="^stall_at must be step numbers >= 1"):
+        Params(stall_at=stall_at)
 
 
 @pytest.mark.parametrize("fail_after", [(130, 130), (0,), (50, 0), (-5,), (130.5,), (True,)])

@@ -22,6 +22,8 @@ import json
 import math
 from pathlib import Path
 
+from ..daemon.config import DaemonConfig
+from ..daemon.state import cv_steps
 from .common import AnalysisError, lag1
 from .view import AUTOCORRELATION_MIN_STEPS, JobView, windows
 
@@ -171,7 +173,8 @@ def to_view(run: dict, source: str, start: float | None = None, end: float | Non
             per_rank["samples"][r][w] += spr
             if wait <= lo:
                 per_rank["last_arrivals"][r][w] += 1
-        cv[w], ac[w] = _cv(recent), lag1(recent, min_points=AUTOCORRELATION_MIN_STEPS)
+        cv[w] = _cv(recent[len(recent) - cv_steps(recent, DaemonConfig.cv_seconds):])
+        ac[w] = lag1(recent, min_points=AUTOCORRELATION_MIN_STEPS)
     restarts = run.get("restarts") or []
     rerun = []
     for t in times:
@@ -193,7 +196,8 @@ def to_view(run: dict, source: str, start: float | None = None, end: float | Non
 
 def _daemon_windows(every: list[dict], steps: list[dict]):
     """Each of ``steps`` (some of ``every``, in the same order) with the step times behind the
-    daemon's step CV and autocorrelation gauges once its record came in: the last ``TRAILING``
+    daemon's autocorrelation gauge once its record came in (its CV's: the latest of them that
+    took its --cv-seconds, ``cv_steps``): the last ``TRAILING``
     steps of its attempt's processes, from their second step (the first is the warm-up), each
     less its checkpoint (a planned pause, not jitter), steps before the range included.
 

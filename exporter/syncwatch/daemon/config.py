@@ -26,6 +26,7 @@ class DaemonConfig:
     socket: str | None = "/run/syncwatch/ingest.sock"  # Unix datagram ingest; None = off
     udp: str | None = None                  # "127.0.0.1:9478" = also ingest UDP on loopback; None = off
     window: int = 100                       # rolling window W (steps) for step CV / lag-1 autocorrelation
+    cv_seconds: float = 240.0               # ... of which the CV's: the steps of the last this many seconds
     rank_ttl: float = 60.0                  # seconds without any record before a rank is removed
     job_grace: float = 120.0                # seconds a job's series stay after its end (or last) record
     max_ranks: int = 1024                   # records of further ranks rejected, reason rank_limit
@@ -34,6 +35,9 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         if self.window < 3:
             raise ValueError(f"window must be at least 3 steps, got {self.window}")
+        if not self.cv_seconds > 0:  # NaN too; inf is the whole window
+            raise ValueError(f"cv_seconds must be a positive number of seconds (inf: the whole "
+                             f"window), got {self.cv_seconds:g}")
         # NaN passes "<= 0" and then never compares greater: no rank or job would ever expire
         if not (0 < self.rank_ttl < math.inf and 0 <= self.job_grace < math.inf):
             raise ValueError(f"rank_ttl must be > 0 and job_grace >= 0, both finite; got rank_ttl "

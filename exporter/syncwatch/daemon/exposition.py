@@ -65,7 +65,8 @@ def families(snap: Snapshot, client_counts: bool = True) -> list:
                                  labels=RL)
     cv = GaugeMetricFamily("syncwatch_step_cv",
                            "Coefficient of variation of the rank's step time, less its checkpoint and "
-                           "eval phases, over the last W steps; a process's first step (its "
+                           "eval phases, over those of the last W steps that took at most "
+                           "--cv-seconds together (at least 4); a process's first step (its "
                            "warm-up) left out.",
                            labels=RL)
     ac = GaugeMetricFamily("syncwatch_step_autocorrelation",

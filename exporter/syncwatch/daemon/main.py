@@ -29,6 +29,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(p, "--udp", default="", help="also ingest UDP on this host:port, e.g. 127.0.0.1:9478 (empty: off)")
     add_flag(p, "--window", type=int, default=d["window"].default,
              help="rolling window W in steps for step CV and lag-1 autocorrelation")
+    add_flag(p, "--cv-seconds", type=float, default=d["cv_seconds"].default,
+             help="the step CV is over those of the last W steps that took at most this many "
+                  "seconds together (at least 4 steps), so that one long step leaves it in time "
+                  "for the variance alert not to page on it; inf: all W")
     add_flag(p, "--rank-ttl", type=float, default=d["rank_ttl"].default,
              help="seconds without any record before a rank is removed")
     add_flag(p, "--job-grace", type=float, default=d["job_grace"].default,
@@ -49,8 +53,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     is told with the twin's name (``--udp (from SYNCWATCH_UDP): udp must look like ...``): set
     in /etc/default/syncwatch or a pod spec, no flag of it is on the command line."""
     values = dict(listen=args.listen, socket=args.socket or None, udp=args.udp or None,
-                  window=args.window, rank_ttl=args.rank_ttl, job_grace=args.job_grace,
-                  max_ranks=args.max_ranks, max_jobs=args.max_jobs)
+                  window=args.window, cv_seconds=args.cv_seconds, rank_ttl=args.rank_ttl,
+                  job_grace=args.job_grace, max_ranks=args.max_ranks, max_jobs=args.max_jobs)
     for field, value in values.items():
         flag = "--" + field.replace("_", "-")
         if flag in getattr(args, "from_env", {}):

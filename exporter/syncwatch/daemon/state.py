@@ -224,19 +224,49 @@ def _move_node(job: JobState, old: str | None, new: str | None) -> None:
                 job.hists.pop(old, None)
 
 
-def window_stats(xs) -> tuple[float | None, float | None]:
-    """(coefficient of variation, lag-1 autocorrelation) of ``xs``; None where undefined."""
+CV_MIN_STEPS = 4  # the CV's window never holds fewer steps than this (if the window has them)
+
+
+def cv_steps(xs, seconds: float) -> int:
+    """How many of the latest step times in ``xs`` the CV is over: those that add up to at most
+    ``seconds`` (the steps of the last ``seconds`` of training), at least ``CV_MIN_STEPS``.
+
+    The CV's window is bounded in time so that one stall does not page. The variance alert asks
+    for its 5m CV above threshold for 10m; a CV over 100 steps held one 30 s stall for 17
+    minutes at 10 s steps, and that paged as growing variance. Within 4 minutes of steps a
+    single stall leaves the 5m average in under 10m, while repeated stalls keep it up. Steps
+    slower than a minute keep 4 steps, longer than 4 minutes: there a stall of many step times
+    can still page."""
+    n, total = 0, 0.0
+    for x in reversed(xs):
+        total += x
+        if total > seconds and n >= CV_MIN_STEPS:
+            break
+        n += 1
+    return n
+
+
+def window_stats(xs, cv_seconds: float = math.inf) -> tuple[float | None, float | None]:
+    """(coefficient of variation, lag-1 autocorrelation) of step times ``xs``; None where
+    undefined. The CV is over the latest ``cv_steps(xs, cv_seconds)`` of them, the
+    autocorrelation over all (one stall moves it toward 0, never toward the oscillation alert's
+    negative values)."""
     n = len(xs)
     if n < 2:
         return None, None
     mean = math.fsum(xs) / n
     dev = [x - mean for x in xs]
     ss = math.fsum(d * d for d in dev)
-    cv = math.sqrt(ss / n) / mean if mean > 0 else None
     ac = None
     if n >= 3 and ss > 0:
         ac = math.fsum(a * b for a, b in zip(dev, dev[1:])) / ss
-    return cv, ac
+    tail = xs[n - cv_steps(xs, cv_seconds):]
+    m = len(tail)
+    if m < 2:
+        return None, ac
+    mean = math.fsum(tail) / m
+    ss = math.fsum((x - mean) ** 2 for x in tail)
+    return (math.sqrt(ss / m) / mean if mean > 0 else None), ac
 
 
 class State:
@@ -501,7 +531,7 @@ class State:
             client = self.client_dropped, self.client_errors
             n_ranks = self.n_ranks
         for r, version, xs in todo:
-            r.stats = (version, *window_stats(xs))
+            r.stats = (version, *window_stats(xs, self.config.cv_seconds))
         jobs = []
         for name, rows, hists, has0, world, attempt, skew, restarts, rerun, *ck in raw:
             views = [RankView(ident, totals, exact, tok, r.stats[1], r.stats[2], last, wall, seq,

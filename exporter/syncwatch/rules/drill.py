@@ -6,7 +6,8 @@ scrape and evaluation) -> Alertmanager (the shipped routing, fast timers) -> a w
 Several train jobs run at once on the same two daemons: one stays healthy, each other one runs
 healthy for ``warmup`` seconds and then gets one fault (the simulator's model reads its parameters
 on every step, so the switch happens at a known wall time), except a fault that is there from the
-job's start (a first collective that never completes). ``run_drill`` returns, per job, when
+job's start (a first collective that never completes). One "fault" must page nothing: a single
+stall in a job of slow steps (10 s at time scale 1), which is no growing variance. ``run_drill`` returns, per job, when
 the fault started, when Prometheus first had each alert firing, and when the webhook received
 each notification. The end-to-end test asserts on it; benchmarks/detection_latency.py prints it.
 """
@@ -32,13 +33,17 @@ from .render import write
 
 NODES, RANKS_PER_NODE = 2, 4
 COMPUTE_SECONDS = 0.05       # ~60 ms simulated (and real) steps: ~16 steps/s per job
+SLOW_STEP_SECONDS = 10.0     # the one-stall job's compute at time scale 1 (x time_scale in the drill)
 
 
-def fault_params(fault: str) -> dict:
-    """Model parameters a job switches to at onset (on top of the healthy cluster's)."""
+def fault_params(fault: str, step: int = 0) -> dict:
+    """Model parameters a job switches to at onset, at its step ``step`` (on top of the healthy
+    cluster's)."""
     world = NODES * RANKS_PER_NODE
     if fault == "healthy":
         return {}
+    if fault == "one-stall":     # rank 0's data loading stalls once, for 3 step times
+        return dict(stall_at=(step + 2,), stall_at_seconds=3.0)
     if fault == "variance":      # the simulator's congestion scenario: episodes of slow collectives
         p = scenario_params("congestion", NODES, RANKS_PER_NODE)
         return dict(congestion_every=p.congestion_every,
@@ -62,6 +67,9 @@ EXPECTED = {  # fault -> the alert that must page for it
     "start": "SyncwatchJobStuckAtStart",
 }
 AT_START = {"start"}  # faults present from the job's start, not from the end of the warm-up
+# after its onset, how long (x time_scale) a fault that must page nothing is watched: at 10 s
+# steps a CV over W = 100 steps held the stall for 17 minutes and paged ~13 minutes after it
+WATCH_SECONDS = {"one-stall": 20 * 60}
 
 
 def _scores(prom: Prometheus, job: str | None = None) -> dict[str, float]:
@@ -81,6 +89,7 @@ class JobResult:
     fault: str
     job: str
     onset: float | None = None                                     # wall time the fault started
+    pending: dict[str, float] = field(default_factory=dict)        # alertname -> first seen pending
     firing: dict[str, float] = field(default_factory=dict)         # alertname -> first seen firing
     firing_labels: dict[str, dict] = field(default_factory=dict)
     notified: dict[str, float] = field(default_factory=dict)       # alertname -> first notification
@@ -126,7 +135,7 @@ class _WebhookHandler(BaseHTTPRequestHandler):
         pass
 
 
-def run_drill(faults=("healthy", "variance", "straggler", "stall", "start"), *, time_scale: float = 0.05,
+def run_drill(faults=("healthy", "variance", "straggler", "stall", "start", "one-stall"), *, time_scale: float = 0.05,
               warmup: float | None = None, timeout: float = 190.0, seed: int = 0,
               exchange_every: int = 10, workdir: str | None = None) -> DrillResult:
     """Run the drill until every expected alert was notified (or ``timeout`` seconds).
@@ -150,7 +159,8 @@ def run_drill(faults=("healthy", "variance", "straggler", "stall", "start"), *, 
     jobs = {f"drill-{f}": JobResult(f, f"drill-{f}") for f in faults}
     try:
         for n in range(NODES):
-            d = DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=None, udp="127.0.0.1:0"))
+            d = DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=None, udp="127.0.0.1:0",
+                                          cv_seconds=DaemonConfig.cv_seconds * time_scale))
             d.start()
             daemons.append(d)
         am = Alertmanager(alertmanager_config_for_test(am_base, webhook.url), workdir=str(work / "am"))
@@ -162,7 +172,8 @@ def run_drill(faults=("healthy", "variance", "straggler", "stall", "start"), *, 
         servers.append(prom)
         targets = [{"udp": d.udp_address} for d in daemons]
         for i, job in enumerate(jobs.values()):
-            params = dict(compute_seconds=COMPUTE_SECONDS)
+            slow = job.fault == "one-stall"
+            params = dict(compute_seconds=SLOW_STEP_SECONDS * time_scale if slow else COMPUTE_SECONDS)
             if job.fault in AT_START:
                 params.update(fault_params(job.fault))
             s = ScenarioThread("healthy", targets, NODES, RANKS_PER_NODE, seed=seed + i, job=job.job,
@@ -181,10 +192,12 @@ def run_drill(faults=("healthy", "variance", "straggler", "stall", "start"), *, 
                 for job, s in sims:
                     if job.onset is None and job.fault != "healthy":
                         model = s.driver.model
-                        model.p = model.p.with_(**fault_params(job.fault))
+                        model.p = model.p.with_(**fault_params(job.fault, model.step))
                         job.onset = time.time()
             for a in prom.alerts():
                 job = jobs.get(a["labels"].get("train_job", ""))
+                if job and a["state"] == "pending":
+                    job.pending.setdefault(a["labels"]["alertname"], now)
                 if job and a["state"] == "firing" and a["labels"]["alertname"] not in job.firing:
                     job.firing[a["labels"]["alertname"]] = now
                     job.firing_labels[a["labels"]["alertname"]] = a["labels"]
@@ -200,7 +213,9 @@ def run_drill(faults=("healthy", "variance", "straggler", "stall", "start"), *, 
                         job.receivers[name] = note["receiver"]
                         if name == EXPECTED.get(job.fault):
                             scores.update(_scores(prom, job.job))
-            if all(name in jobs[j].notified for name, j in expected):
+            watched = all(j.onset is not None and now >= j.onset + WATCH_SECONDS[j.fault] * time_scale
+                          for j in jobs.values() if j.fault in WATCH_SECONDS)
+            if watched and all(name in jobs[j].notified for name, j in expected):
                 break
             for _, s in sims:
                 if s.error is not None:

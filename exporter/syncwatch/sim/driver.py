@@ -40,6 +40,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..daemon.config import DaemonConfig
+from ..daemon.state import cv_steps
 from ..protocol import MAX_GPU, MAX_WORLD, PHASES, Cumulative, Encoder, Identity
 from ..sender import Sender
 from ..skew import EXCHANGE_SECONDS, SkewAccumulator, derive, window_size
@@ -94,9 +96,11 @@ class GroundTruth:
     end_records: int = 0
     dropped: int = 0             # records the senders dropped, all attempts (0 in fast mode)
 
-    def cv(self, window: int = 100) -> float:
-        """Step-time CV over the last ``window`` steps (what a daemon's ``syncwatch_step_cv`` shows)."""
-        return step_cv(list(self.window_step_seconds)[-window:])
+    def cv(self, window: int = 100, seconds: float = DaemonConfig.cv_seconds) -> float:
+        """Step-time CV over those of the last ``window`` steps that took ``seconds`` together
+        (what a daemon's ``syncwatch_step_cv`` shows: its --window, --cv-seconds)."""
+        xs = list(self.window_step_seconds)[-window:]
+        return step_cv(xs[len(xs) - cv_steps(xs, seconds):])
 
     def autocorrelation(self, window: int = 100) -> float:
         """Lag-1 autocorrelation, as ``cv`` (a daemon's ``syncwatch_step_autocorrelation``)."""

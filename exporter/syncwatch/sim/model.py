@@ -56,6 +56,8 @@ class Params:
     stall_seconds: float = 0.02             # Pareto scale (the smallest stall), x compute_seconds
     stall_alpha: float = 1.5                # Pareto tail index (smaller = heavier)
     stall_cap: float = 1.0                  # longest stall, x compute_seconds
+    stall_at: tuple[int, ...] = ()          # steps at which global rank 0's data loading stalls ...
+    stall_at_seconds: float = 1.0           # ... for this long, x compute_seconds (the drill's one stall)
     congestion_rate: float = 7e-5           # chance per step of a congestion episode = rate x nodes²
     congestion_max: float = 0.25            # ... capped here
     congestion_factor: float = 6.0          # collective time x this during an episode (+5x)
@@ -101,7 +103,7 @@ class Params:
             raise ValueError(f"compute_seconds must be positive and finite, not {self.compute_seconds}")
         for name in ("collective_seconds", "jitter", "stall_seconds", "stall_cap", "congestion_rate",
                      "congestion_factor", "scheduled_congestion_factor", "checkpoint_seconds",
-                     "eval_seconds", "restart_seconds", "samples_per_step"):
+                     "eval_seconds", "restart_seconds", "samples_per_step", "stall_at_seconds"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be >= 0 and finite, not {getattr(self, name)}")
         for name in ("stall_probability", "congestion_max"):
@@ -129,6 +131,8 @@ class Params:
         if (not all(is_whole(n) and n >= 1 for n in self.fail_after)
                 or len(set(self.fail_after)) != len(self.fail_after)):
             raise ValueError(f"fail_after must be distinct step counts >= 1, not {self.fail_after}")
+        if not all(is_whole(n) and n >= 1 for n in self.stall_at):
+            raise ValueError(f"stall_at must be step numbers >= 1, not {self.stall_at}")
         if self.fail_after and not self.checkpoint_every:
             raise ValueError("restarts need checkpoint_every > 0 to resume from")
         # a fractional rank matched no rank: the run had no straggler, and nothing said so
@@ -156,7 +160,8 @@ class Params:
                    * max(0.5, 1 + self.jitter * GAUSS_MAX))
         if self.straggler_rank >= 0:
             compute *= max(1.0, 1 + self.straggler_slowdown)
-        stall = self.stall_cap if self.stall_probability else 0.0
+        stall = ((self.stall_cap if self.stall_probability else 0.0)
+                 + (self.stall_at_seconds if self.stall_at else 0.0))
         pauses = ((self.checkpoint_seconds if self.checkpoint_every else 0.0)
                   + (self.eval_seconds if self.eval_every else 0.0))
         congestion = max(1.0, self.congestion_factor if self.congestion_probability() else 1.0,
@@ -284,6 +289,7 @@ class Model:
         evaluation = (p.eval_seconds * p.compute_seconds
                       if p.eval_every and step % p.eval_every == 0 else 0.0)
         split = [f * p.compute_seconds for f in p.phase_split]
+        once = p.stall_at_seconds * p.compute_seconds if step in p.stall_at else 0.0
         gauss, rand = rng.gauss, rng.random
         phases, arrivals, pauses = [], [], []
         for i in range(p.world_size):
@@ -293,6 +299,8 @@ class Model:
             comp = [s * factor for s in split]
             if rand() < p.stall_probability:
                 comp[0] += self._stall()      # a stall lands in data loading (GC, I/O, page faults)
+            if once and i == 0:
+                comp[0] += once
             phases.append(comp)
             paused = (ckpt, evaluation) if i == 0 or not p.rank0_pauses else (0.0, 0.0)
             pauses.append(paused)
