@@ -44,12 +44,14 @@ def build() -> db.Dashboard:
     # they record for such jobs only.
     wait = f'train_job_rank:syncwatch_sync_wait:mean5m{{{JOB}}}'
     late_estimate = f'max by (train_job) ({wait}) - on (train_job) group_right () {wait}'
-    lateness = f'avg by (node) (({late} or on (train_job) ({late_estimate})) {ON_NODE})'
+    # the node's latest rank, not the mean of its ranks: one hot GPU of 8 read an eighth of its
+    # lateness, level with the jitter of healthy nodes
+    lateness = f'max by (node) (({late} or on (train_job) ({late_estimate})) {ON_NODE})'
     lateness_panel = (
         panel(timeseries.Panel(), "Lateness of the ranks per node",
-              "Mean time per step the barrier waited for the ranks of each node (barrier skew minus "
-              "the rank's own slack over the steps of the skew exchange, averaged over the node's "
-              "ranks). A node whose lateness rises with its temperature, falling clocks or a "
+              "Mean time per step the barrier waited for the latest rank of each node (barrier "
+              "skew minus the rank's own slack over the steps of the skew exchange; the node's "
+              "largest, so one hot GPU shows whole). A node whose lateness rises with its temperature, falling clocks or a "
               "throttle reason is the hardware straggler. With the skew exchange, an interval "
               "without one (every K = 50 steps) has no point. Without it (K = 0) the lateness is "
               "an estimate from the ranks' mean waits over 5 m (the largest mean wait less the "

@@ -323,6 +323,22 @@ def test_rank_lateness_per_node_is_the_skew_less_the_slack_of_the_same_steps(tmp
     ], rule_files=RECORDING_RULES)
 
 
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (Debian package prometheus)")
+def test_a_node_s_lateness_is_its_latest_rank_s_not_the_average_of_its_ranks(tmp_path):
+    """Node a holds the straggler (0.3 s late a step) and a rank that waits for it like node b's:
+    the node reads 0.3 s, not 0.15 s. Averaged over 8 GPUs a node's one hot GPU read an eighth
+    of its lateness, level with the jitter of healthy nodes."""
+    series = _skew_exchange_job(3)
+    waiting = {k: v for k, v in series.items() if 'rank="1"' in k}
+    for key, values in waiting.items():
+        key = key.replace('rank="1"', 'rank="2"').replace('"b:9477"', '"a:9477"')
+        series[key.replace('node="b"', 'node="a"').replace('GPU-b0', 'GPU-a1')] = values
+    lateness = _panel_expr("syncwatch-hardware", "Lateness of the ranks per node", node=None)
+    _promtool_expect(tmp_path, series, [
+        (lateness, WITH_EXCHANGE, [{"labels": '{node="a"}', "value": 0.3}, {"labels": '{node="b"}', "value": 0}]),
+    ], rule_files=RECORDING_RULES)
+
+
 #: Evaluation times in _skew_exchange_job(3): the exchange lands at 150 s; the rate window of 225 s
 #: ([165 s, 225 s]) holds none.
 WITH_EXCHANGE, WITHOUT_EXCHANGE = "165s", "225s"
