@@ -16,8 +16,8 @@ from syncwatch.instrument import identity as ident_mod
 from syncwatch.instrument import run as run_mod
 from syncwatch.instrument.clock import FAKE_CALLS, CudaEventClock, HostClock, TorchCalls
 from syncwatch.instrument.monitor import Monitor
-from syncwatch.protocol import (MAX_ATTEMPT, PHASE_INDEX, EndRecord, HeartbeatRecord, Identity,
-                                StepRecord)
+from syncwatch.protocol import (MAX_ATTEMPT, PHASE_INDEX, Decoder, EndRecord, HeartbeatRecord,
+                                Identity, StepRecord)
 from syncwatch.sender import Sender
 from syncwatch.skew import WindowResult
 from instrument.receiver import Receiver
@@ -752,6 +752,31 @@ class Collected:
 
     def close(self):
         pass
+
+
+class SlowFlush(Collected):
+    """A sender whose ``flush()`` takes its time, as the real one's does while its retry queue
+    drains into a daemon whose socket queue was full."""
+
+    def flush(self, timeout=0):
+        time.sleep(0.1)
+
+
+def test_no_heartbeat_follows_the_end_record():
+    """The daemon takes a heartbeat for a live rank: one after the end record clears the rank's
+    end, and the rank that completed is expired as silent, read as lost (SyncwatchRankLost).
+    The records thread stops before the end record goes, so nothing follows it, however long
+    the sender takes to flush its last records."""
+    sender = SlowFlush()
+    m = Monitor(IDENT, sender, heartbeat_seconds=0.01)
+    m.step(1)
+    time.sleep(0.05)  # heartbeats under way
+    m.shutdown()
+    time.sleep(0.05)
+    decoder = Decoder()
+    kinds = [type(decoder.decode(data)).__name__ for data in sender.data]
+    assert "HeartbeatRecord" in kinds and "StepRecord" in kinds
+    assert kinds.index("EndRecord") == len(kinds) - 1, kinds
 
 
 def random_entries(rng, steps):
