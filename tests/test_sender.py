@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -11,10 +12,13 @@ import sys
 import threading
 import time
 
+from types import SimpleNamespace
+
 import pytest
 from conftest import run_unprivileged, subprocess_env
 from daemon_helpers import RankSim, healthz, identity, scrape, value, wait_for, wait_records
 
+from syncwatch import sender as sender_module
 from syncwatch.daemon import DaemonConfig, DaemonThread
 from syncwatch.sender import Sender, parse_udp
 
@@ -72,6 +76,63 @@ def test_daemon_restart_on_same_path_records_flow_again_with_right_totals(sock_p
     assert sim.totals.dropped_records >= 10
     assert value(m, "syncwatch_client_dropped_records_total") == sim.totals.dropped_records
 
+
+def test_an_absent_daemon_is_retried_with_a_backoff_capped_at_5_s_restarted_once_connected(
+        sock_path, monkeypatch):
+    """The sender's contract: while the daemon's socket is gone it connects again after a backoff
+    of 0.05 s doubling to 5 s, so an absent daemon costs a connect now and then, not one per
+    record, and one back after a long absence gets records again within 5 s; a connect that
+    succeeds starts the backoff again at 0.05 s, so the next short absence costs a record or
+    two, not 5 s of them. The restart test above looks at none of these times: a sender whose
+    backoff never grew, grew without bound or never started again passed it. Real sockets, the
+    sender's clock stepped by hand (a record every 0.25 s)."""
+    now = 0.0
+    monkeypatch.setattr(sender_module, "time",
+                        SimpleNamespace(monotonic=lambda: now, sleep=time.sleep))
+    s = Sender(sock_path)
+
+    def daemon() -> socket.socket:
+        rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        rx.bind(sock_path)
+        rx.settimeout(1)
+        return rx
+
+    def gone(rx: socket.socket) -> None:
+        rx.close()
+        os.unlink(sock_path)
+
+    def first_sent(until: float) -> float:
+        """Send a record every 0.25 s from now until ``until``: the time the first one left
+        (infinite: none did)."""
+        nonlocal now
+        while now < until:
+            if s.send(b"%g" % now):
+                return now
+            now += 0.25
+        return math.inf
+
+    try:
+        assert first_sent(60.0) == math.inf  # a minute without a daemon
+        assert (s.sent, s.dropped) == (0, 240)
+        rx, back = daemon(), now
+        assert back < first_sent(back + 10) <= back + 5.0  # the backoff grew, to 5 s at most
+        assert rx.recv(64) == b"%g" % now
+        gone(rx)  # a short absence: refused, then absent; the backoff starts again at 0.05 s
+        assert s.send(b"refused") is False
+        now += 0.25
+        assert s.send(b"absent") is False
+        rx, back = daemon(), now
+        assert first_sent(back + 10) == back + 0.25  # the next record
+        assert rx.recv(64) == b"%g" % now
+        gone(rx)  # a restart between two records: the refused one is lost, the next one goes
+        rx = daemon()
+        assert s.send(b"refused") is False
+        assert s.send(b"at once")
+        assert rx.recv(64) == b"at once"
+        assert s.sent == 3
+    finally:
+        s.close()
+        rx.close()
 
 def test_fork_child_sends_and_parent_is_unaffected(sock_path):
     with DaemonThread(config(sock_path)) as d:
