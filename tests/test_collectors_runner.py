@@ -131,6 +131,40 @@ def test_no_data_is_not_logged_as_error(caplog):
     assert caplog.records == []
 
 
+class Vanishing(Const):
+    """Data while its source is ``present``, ``NoData`` once it is not."""
+
+    present = True
+
+    def update(self, errors):
+        if not self.present:
+            raise NoData("gone")
+        return super().update(errors)
+
+
+def test_no_data_after_data_withdraws_the_last_snapshot_at_once(caplog):
+    """A source gone after cycles with data (an InfiniBand device unbound, its sysfs tree gone):
+    ``NoData`` says it is absent now, so the collector serves nothing from that cycle on and
+    reads success 1, quietly, as a source never there does. Its last snapshot served until
+    stale would show the gone hardware for 3 intervals + the timeout more. The tests above had
+    only collectors that raised ``NoData`` from their first cycle: a runner that kept the last
+    snapshot after ``NoData`` passed them."""
+    clock = Clock()
+    vanishing = Vanishing()
+    runner = CollectorRunner({"v": vanishing}, clock=clock)
+    runner.run_once()
+    assert value(runner, "syncwatch_test_value", device="a") == 1
+    vanishing.present = False
+    clock.t += 5.0  # the next cycle, the snapshot far from stale (17 s)
+    with caplog.at_level(logging.WARNING, logger="syncwatch.collectors"):
+        runner.run_once()
+    assert value(runner, "syncwatch_test_value", device="a") is None
+    assert value(runner, "syncwatch_collector_success", collector="v") == 1
+    assert caplog.records == []
+    vanishing.present = True  # back: served again
+    runner.run_once()
+    assert value(runner, "syncwatch_test_value", device="a") == 1
+
 def test_rate_limited_log_recovery_message(caplog):
     rl = RateLimitedLog("x", clock=lambda: 0.0)
     with caplog.at_level(logging.INFO, logger="syncwatch.collectors"):
