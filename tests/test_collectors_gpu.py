@@ -166,6 +166,34 @@ def test_lost_gpu_comes_back():
     assert reg.get_sample_value("syncwatch_gpu_temperature_celsius", labels(3)) == 43
 
 
+def test_a_gpu_down_is_warned_about_once_and_again_once_it_came_back_and_went(caplog):
+    """A GPU lost, needing a reset or timing out reads ``syncwatch_gpu_up 0`` every cycle; the
+    log says so once when it goes down, not every cycle it stays down (a warning every 5 s for
+    a GPU lost overnight), and once more when it goes down again after it answered. The
+    tests looked at the series only: a collector that warned every cycle, or never again,
+    passed them."""
+    fake = FakeNvml()
+    collector = GpuCollector(nvml=fake)
+    cycle(collector)
+
+    def down_warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if " is down: " in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="syncwatch.collectors"):
+        fake.gpus[3].error = N.NVML_ERROR_GPU_IS_LOST
+        for _ in range(3):
+            assert cycle(collector)[0].get_sample_value("syncwatch_gpu_up", labels(3)) == 0
+        assert down_warnings() == [f"gpu 3 ({UUID3}) is down: nvmlDeviceGetHandleByIndex: "
+                                   "GPU is lost"]
+        fake.gpus[3].error = None
+        assert cycle(collector)[0].get_sample_value("syncwatch_gpu_up", labels(3)) == 1
+        caplog.clear()
+        fake.gpus[3].error = N.NVML_ERROR_RESET_REQUIRED
+        for _ in range(3):
+            assert cycle(collector)[0].get_sample_value("syncwatch_gpu_up", labels(3)) == 0
+        assert down_warnings() == [f"gpu 3 ({UUID3}) is down: nvmlDeviceGetHandleByIndex: "
+                                   "GPU requires restart"]
+
 def test_xid_events_are_counted_per_gpu_and_xid():
     fake = FakeNvml()
     collector = GpuCollector(nvml=fake)
