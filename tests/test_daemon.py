@@ -554,6 +554,22 @@ def test_a_media_type_is_read_whatever_its_case(daemon, client):
     assert ctype.startswith("application/openmetrics-text") and body.endswith("# EOF\n")
 
 
+def test_text_star_gets_the_text_format_and_x_gzip_gets_gzip(daemon, client):
+    """``text/*`` accepts text/plain (RFC 9110 12.5.1), so a client that prefers OpenMetrics and
+    takes any text type gets the text format, as one naming text/plain does; ``x-gzip`` is gzip
+    (RFC 9110 8.4.1.3). The tests named text/plain, */* and gzip only: a daemon that served
+    OpenMetrics to ``text/*``, or no gzip to ``x-gzip``, passed them."""
+    _full_exposition(daemon, client)
+    req = urllib.request.Request(daemon.url + "/metrics", headers={
+        "Accept": "application/openmetrics-text;version=1.0.0, text/*;q=0.5",
+        "Accept-Encoding": "x-gzip"})
+    with urllib.request.urlopen(req) as r:
+        ctype, encoding = r.headers["Content-Type"], r.headers.get("Content-Encoding")
+        body = r.read()
+    assert ctype.startswith("text/plain") and encoding == "gzip"
+    text = gzip.decompress(body).decode()
+    assert text.startswith("# HELP") and not text.endswith("# EOF\n")
+
 def test_series_per_rank_within_budget_at_64_ranks(daemon, client):
     _full_exposition(daemon, client, ranks=64)
     m = scrape(daemon.url)
