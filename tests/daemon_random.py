@@ -62,7 +62,7 @@ class Proc:
         self.last_step, self.last_wall = 0, 0.0
         self.last = None            # (step, wall, step_s) of the last step, for the re-send
         self.skew = SkewHistogram() if rank == 0 else None
-        self.send_t = 0.0
+        self.send_t = self.hb_t = 0.0
         self.alive = True
 
     def set_attempt(self, attempt):
@@ -73,8 +73,13 @@ class Proc:
         self.enc = Encoder(self.ident)
 
     def _send(self, t, kind, data, **kw):
-        t = max(t, self.send_t + 1e-6)   # one sender: in order
-        self.send_t = t
+        # one sender: in order, but for a heartbeat, which goes while a step record waits for its
+        # timings (lazily timed on CUDA): only after the heartbeat before it, so it may arrive
+        # ahead of the step record it reports
+        t = max(t, (self.hb_t if kind == "hb" else self.send_t) + 1e-6)
+        self.send_t = max(self.send_t, t)
+        if kind == "hb":
+            self.hb_t = t
         self.sim.emit(Msg(t, self.job, self.rank, self.pid, self.attempt, kind, data, **kw))
 
     def step(self, t, step, d, checkpoint):
