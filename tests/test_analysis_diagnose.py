@@ -61,6 +61,17 @@ def test_persistent_straggler_names_rank_and_node():
     assert any(e["series"].startswith("syncwatch_last_arrivals_total") for e in f.evidence)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_rank_taking_a_third_of_last_arrivals_is_no_persistent_straggler(seed):
+    """A rank 5 % slower among ranks of 3 % jitter arrives last in about a third of the steps,
+    ten times its even share: jitter still decides most steps, so it is transient jitter, not a
+    persistent straggler, whose signature asks for half of the last arrivals."""
+    run = recorded("straggler", seed, straggler_slowdown=0.05, jitter=0.03)
+    d = diagnose(recording.to_view(run, "test"))
+    assert 0.3 <= d.scores["straggler_concentration"] < 0.5, d.scores
+    assert [f.mode for f in d.findings] == ["straggler_transient"]
+
+
 def test_scores_are_the_simulators_truth():
     """The figures diagnose reports, from the model's own per-step truth: mean step, sync tax,
     coupling (all ranks' slack over all rank-time), straggler concentration, steps, and the
@@ -93,6 +104,21 @@ def test_straggler_on_a_throttling_node_is_also_thermal_with_high_confidence():
     assert thermal.confidence >= 0.9 and thermal.subject == {"node": "sim-node-00"}
     assert any("18.0 °C hotter" in e["reading"] for e in thermal.evidence)
     assert not any("skew exchange off" in n or "GPU telemetry" in n for n in d.notes), d.notes
+
+
+def test_a_straggler_node_hotter_than_most_others_is_thermal_beside_one_warm_neighbour():
+    """The straggling node runs 10 °C above the other nodes' median; one other node running warm
+    too (78 °C beside 70 °C) leaves it as much hotter than the cluster, not 2 °C."""
+    run = recorded("straggler")
+    ts = [s["t"] for s in run["steps"]]
+    temps = {"sim-node-00": 80.0, "sim-node-01": 78.0, "sim-node-02": 70.0, "sim-node-03": 70.0}
+    run["hardware"] = {"gpu_temperature_celsius": {n: [[t, c] for t in ts]
+                                                   for n, c in temps.items()}}
+    d = diagnose(recording.to_view(run, "test"))
+    thermal = next(f for f in d.findings if f.mode == "thermal_coupling")
+    assert thermal.subject == {"node": "sim-node-00"} and thermal.confidence == 0.75
+    assert any("sim-node-00 runs 10.0 °C hotter" in e["reading"]
+               for e in thermal.evidence), thermal.evidence
 
 
 def test_thermal_evidence_quotes_the_throttle_reasons_it_read():
@@ -143,6 +169,35 @@ def slow_collective(step: dict) -> dict:
     step["waits"] = [w + extra for w in step["waits"]]
     step["seconds"] += extra
     return step
+
+
+@pytest.mark.parametrize("counters", ["none", "flat"])
+def test_contention_confidence_says_whether_fabric_counters_were_there_to_follow_it(counters):
+    """Without congestion counters the contention rests on the collective time alone (0.65);
+    counters in range that stay flat while the collective inflates speak against the fabric
+    (0.5), and the evidence says they do not follow it."""
+    run = recorded("congestion")
+    if counters == "flat":
+        points = [[s["t"] + s["seconds"], 1e3] for s in run["steps"]]
+        run["hardware"] = {"ib_xmit_wait_rate": {f"sim-node-{n:02d}": points for n in range(4)}}
+    (f,) = diagnose(recording.to_view(run, "test")).findings
+    assert f.mode == "fabric_contention"
+    assert f.confidence == {"none": 0.65, "flat": 0.5}[counters]
+    assert any(e["reading"] == "congestion counters do not follow the collective time"
+               for e in f.evidence) == (counters == "flat")
+
+
+def test_contention_in_most_steps_is_measured_against_its_quiet_windows():
+    """Episodes of 70 of every 100 steps leave a fifth of the windows quiet: the baseline is the
+    20th percentile of the windows' collective time, the true 150 ms, and the episodes read as
+    their 4x; a higher percentile would fall inside the episodes and read them smaller."""
+    truth = sim.run_scenario("congestion", nodes=4, ranks_per_node=8, seed=0,
+                             params={"scheduled_congestion_steps": 70})
+    run = recording.from_ground_truth(truth, start_wall=START)
+    (f,) = diagnose(recording.to_view(run, "test")).findings
+    assert f.mode == "fabric_contention"
+    assert f.evidence[0]["value"] == pytest.approx(truth.params.collective_seconds, rel=1e-6)
+    assert "(4.0x)" in f.evidence[1]["reading"], f.evidence[1]
 
 
 def test_one_congested_step_is_no_fabric_contention():
@@ -257,6 +312,22 @@ def test_a_rotating_straggling_node_over_many_nodes_is_thermal_when_its_gpus_thr
             start_wall=START)
         healthy["hardware"] = thermal_telemetry(healthy, nodes, ranks_per_node, seed)
         assert "thermal_coupling" not in {f.mode for f in diagnose(recording.to_view(healthy, "test")).findings}
+
+
+def test_a_cluster_throttling_everywhere_does_not_tell_which_node_straggles():
+    """The thermal scenario over 16 x 2 and 32 x 1 ranks with every GPU throttling in every
+    window (a hot room, a cluster-wide power cap): the node arriving last most throttles in every
+    window, but so does every node, which is chance and no thermal cause of its straggling (the
+    match must reach twice the share of nodes throttling)."""
+    for nodes, ranks_per_node in ((16, 2), (32, 1)):
+        truth = sim.run_scenario("thermal", nodes=nodes, ranks_per_node=ranks_per_node, seed=0)
+        run = recording.from_ground_truth(truth, start_wall=START)
+        run["hardware"] = thermal_telemetry(run, nodes, ranks_per_node, 0)
+        throttle = run["hardware"]["gpu_thermal_throttle"]
+        for node, points in throttle.items():
+            throttle[node] = [[t, 1.0] for t, _ in points]
+        d = diagnose(recording.to_view(run, "test"))
+        assert "thermal_coupling" not in {f.mode for f in d.findings}, [f.title for f in d.findings]
 
 
 def test_a_healthy_verdict_on_too_few_steps_says_so():
@@ -378,6 +449,17 @@ def test_without_the_skew_exchange_a_persistent_straggler_is_named_from_mean_wai
     assert d.to_dict()["estimated"] == ["coupling", "straggler_concentration", "collective_seconds"]
     assert exact.to_dict()["estimated"] == []
     assert f.confidence == pytest.approx(exact.findings[0].confidence - 0.1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_without_the_skew_exchange_a_healthy_jobs_last_arrivals_are_shared_by_all_ranks(seed):
+    """Healthy jitter keeps every rank's mean wait within a fraction of a per cent of the step of
+    the smallest, so each window's steps are shared by all ranks (within 2 % of the step of it):
+    the estimated concentration is 1/N, where the one rank with the smallest mean wait would
+    take every window, and read as a straggler concentration many times it."""
+    d = diagnose(_without_skew_exchange(recording.to_view(recorded("healthy", seed), "test")))
+    assert d.scores["straggler_concentration"] == pytest.approx(1 / 32, rel=0.01)
+    assert d.findings == []
 
 
 def test_topology_mismatch_when_collective_grows_without_bytes_or_congestion():
@@ -511,6 +593,17 @@ def test_a_few_steps_after_a_restart_are_no_oscillation(seed, steps):
     d = diagnose(recording.to_view(osc, "test", first["t"], last["t"] + last["seconds"]))
     assert [f.mode for f in d.findings] == ["oscillation"]
     assert not any("oscillation not assessed" in n for n in d.notes)
+
+
+def test_a_weak_alternation_is_no_oscillation():
+    """The oscillation scenario at a twentieth of its amplitude (compute x 1.005 / x 0.995 under
+    1.5 % jitter) reads a lag-1 autocorrelation around -0.35: a hint of rhythm, not the strongly
+    negative -0.5 or below of an oscillation; at 1 % it reads below -0.5 and is one."""
+    weak = diagnose(recording.to_view(recorded("oscillation", oscillation=0.005), "test"))
+    assert -0.5 < weak.scores["step_autocorrelation"] < -0.2 and weak.findings == []
+    strong = diagnose(recording.to_view(recorded("oscillation", oscillation=0.01), "test"))
+    assert strong.scores["step_autocorrelation"] <= -0.5
+    assert [f.mode for f in strong.findings] == ["oscillation"]
 
 
 def test_window_sets_a_recorded_runs_windows(tmp_path, monkeypatch):
