@@ -180,6 +180,8 @@ def prom(tmp_path_factory):
     series = [*job_series("steady"),
               *job_series("restarting", restarts={T0 + 302: 20, T0 + 1000: 30, T0 + 1800: 40}),
               *job_series("daemon-restart", restarts={T0 + 1000: 30, T0 + 1800: 40}, daemon_restart=T0 + 1400),
+              *job_series("daemon-restart-then-restart", restarts={T0 + 1000: 30, T0 + 1200: 20, T0 + 1403: 40},
+                          daemon_restart=T0 + 1401),
               *moved_job_series("moved"), *moved_job_series("moved-checkpointing", checkpoint_every=100),
               *job_series("scraped-15s", scrape=15),
               *job_series("scraped-30s", scrape=30, step_times=True),
@@ -371,10 +373,14 @@ def test_answers_on_a_grid_moved_earlier_are_read_into_the_nearest_window():
     ("restarting", T0 + 600, T0 + 1200, 1, 30),   # the first one before the range
     ("restarting", T0 + 1100, T0 + 1700, 0, 0),
     ("daemon-restart", T0 + 600, T0 + 2400, 2, 70),   # the counters fall to 0 between the two
+    # the counters fall from 2 to 1: the new daemon saw a restart before its first scrape
+    ("daemon-restart-then-restart", T0 + 600, T0 + 2400, 3, 90),
 ])
 def test_restarts_in_range_from_the_range_start(prom, job, start, end, restarts, rerun, monkeypatch, capsys):
     """Restarts were counted from the end of the first window, so one inside it was missed (a
-    range begun just before an incident read as healthy), and a reset counter subtracted."""
+    range begun just before an incident read as healthy), and a reset counter subtracted. A
+    counter that falls counts from zero again, as ``increase()``: where the restarted daemon
+    counted a restart before its first scrape, that one is in range too."""
     d = _diagnose(monkeypatch, capsys, prom, job, start, end)
     assert (d["scores"]["restarts"], d["scores"]["rerun_steps"]) == (restarts, rerun)
     assert ("checkpoint_restart" in {f["mode"] for f in d["findings"]}) == (restarts > 0)
