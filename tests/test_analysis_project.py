@@ -43,6 +43,57 @@ def test_gaussian_projection_from_counters_follows_expected_maximum():
     assert strong["mean_step_seconds"] < p["mean_step_seconds"] / 4
 
 
+def measured(**fields) -> project.Measurement:
+    """A measurement of 4 nodes x 8 ranks: 1 s of compute, a 100 ms collective, no jitter."""
+    base = dict(nodes=4, ranks=32, steps=100, method="test", mean_compute=1.0, collective=0.1,
+                congestion_probability=0.0, congestion_inflation=1.0, samples_per_rank_step=1,
+                mean_step=1.1, step_cv=0.01, coupling=0.0, sigma=0.0)
+    return project.Measurement(**{**base, **fields})
+
+
+def test_a_ring_pays_two_latencies_per_node_added():
+    """A ring all-reduce over n nodes takes 2 (n - 1) steps, each paying the latency alpha: from
+    4 to 16 nodes the collective grows by its bandwidth term (15/16 over 3/4) and 2 x 12 alphas."""
+    m = measured()
+    quick = project.project_at(m, 16, project.Options())
+    slow = project.project_at(m, 16, project.Options(latency_us=500))
+    assert quick["collective_seconds"] == pytest.approx(0.1 * (15 / 16) / (3 / 4))
+    alphas = 2 * 12 * 500e-6
+    assert slow["collective_seconds"] - quick["collective_seconds"] == pytest.approx(alphas)
+    assert slow["mean_step_seconds"] - quick["mean_step_seconds"] == pytest.approx(alphas)
+
+
+@pytest.mark.parametrize(("nodes", "levels"), [(5, 3), (8, 3), (12, 4), (16, 4)])
+def test_a_tree_grows_by_whole_levels(nodes, levels):
+    """A tree all-reduce over n nodes has ceil(log2 n) levels: 4 nodes have 2, 5 to 8 have 3,
+    9 to 16 have 4, and its time grows level by level, not by the fraction of a level."""
+    tree = project.project_at(measured(), nodes, project.Options(algorithm="tree"))
+    assert tree["collective_seconds"] == pytest.approx(0.1 * levels / 2)
+
+
+def test_strong_scaling_efficiency_is_the_speedup_over_the_node_ratio():
+    """The global batch kept, 4x the nodes compute a quarter each: the step takes 0.25 s of compute
+    and the collective (kept as measured), a speedup of 1.1 / 0.35 = 3.1 over 4x the nodes, 79 %
+    efficient; without a collective the speedup is the node ratio, 100 %."""
+    strong = project.Options(scaling="strong", algorithm="none")
+    res = project.projection(measured(), [16], strong, 16)
+    (row,) = res["projections"]
+    assert row["mean_step_seconds"] == pytest.approx(0.35)
+    assert row["scaling_efficiency"] == pytest.approx(1.1 / 0.35 / 4)
+    free = project.projection(measured(collective=0.0), [16], project.Options(scaling="strong"), 16)
+    assert free["projections"][0]["scaling_efficiency"] == pytest.approx(1.0)
+
+
+def test_throughput_rising_to_the_last_node_count_reaches_no_sync_wall():
+    """Weak scaling without jitter, congestion or latency: the ring's collective grows at most by
+    4/3, so throughput rises all the way to 64x the nodes, and no sync wall is claimed there."""
+    res = project.projection(measured(), [8, 16], project.Options(), 256)
+    wall = res["sync_wall"]
+    assert wall["nodes"] == 256 and not wall["reached"]
+    said = "sync wall: not reached up to 256 nodes (throughput still rising)"
+    assert said in project.summary(res)
+
+
 def test_a_recorded_runs_measurement_is_the_simulators_truth():
     """What ``project`` prints as measured, from the model's per-step truth: step time, its CV
     (the simulator's own), coupling (all slack over all rank-time), the ranks' mean compute
@@ -59,6 +110,36 @@ def test_a_recorded_runs_measurement_is_the_simulators_truth():
     assert m.mean_compute == pytest.approx(
         sum(st.step_seconds - w for st in truth.steps for w in st.waits) / (world * 500), rel=1e-9)
     assert m.collective == pytest.approx(truth.params.collective_seconds, rel=1e-9)
+
+
+def test_a_recorded_runs_congestion_episodes_are_the_simulators_congested_steps():
+    """A recorded run counts its episodes step by step: the steps whose collective (the smallest
+    wait) exceeds 1.5x the median, which are exactly the model's congested steps (20-step
+    episodes at 4x every 100 steps, and the healthy cluster's rare ones at 6x), inflated by their
+    mean factor. The quiet steps' collective sits at the median within rounding: no episodes."""
+    truth = scenarios.run_scenario("congestion", nodes=2, ranks_per_node=4, steps=1000, seed=0)
+    run = recording.from_ground_truth(truth)
+    m = project.measure_run(run, run["steps"])
+    congested = [st for st in truth.steps if st.congested]
+    assert m.collective == pytest.approx(truth.params.collective_seconds, rel=1e-9)
+    assert m.congestion_probability == len(congested) / truth.executed_steps
+    inflation = sum(min(st.waits) for st in congested) / len(congested) / m.collective
+    assert m.congestion_inflation == pytest.approx(inflation, rel=1e-9)
+
+
+def test_a_model_missing_the_jobs_variability_is_flagged():
+    """The congestion scenario read in windows of one episode period (100 steps): every window is
+    20 % congested, none is quiet, no episode is found, and the model's step CV (0.7 %) falls
+    far below the measured 14 %: the check says so and calls the projected CVs floors."""
+    truth = scenarios.run_scenario("congestion", nodes=2, ranks_per_node=4, steps=1000, seed=0)
+    run = recording.from_ground_truth(truth)
+    mean_step = sum(s["seconds"] for s in run["steps"]) / len(run["steps"])
+    m = project.measure_view(recording.to_view(run, "test", min_window=100 * mean_step))
+    res = project.projection(m, [8], project.Options(), 64)
+    check = res["step_cv_check"]
+    assert m.congestion_probability == 0 and check["ratio"] < 0.1 and not check["agrees"], check
+    assert "step CV check: the model gives" in project.summary(res)
+    assert "the projected step CVs are floors" in project.summary(res)
 
 
 def test_projection_to_8n_matches_the_simulated_8n_cluster():
