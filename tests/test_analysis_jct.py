@@ -131,6 +131,26 @@ def test_pure_compute_job_runs_at_its_theoretical_minimum():
     assert e.reading.startswith("compute-bound")
 
 
+def test_a_job_between_communication_and_compute_bound_reads_balanced():
+    """One node of TP 4 x PP 2 (one replica: no all-reduce) with 4 micro-batches loses a quarter
+    of its compute to the pipeline bubble: 80 % efficient, between the 70 % of communication-bound
+    and the 85 % of compute-bound."""
+    e = estimate(JobSpec(**{**BASE, "nodes": 1}, tp=4, pp=2, microbatches=4))
+    assert e.exposed_comm_seconds == 0 and e.efficiency == pytest.approx(0.8)
+    assert e.reading == "balanced (70-85 %)"
+
+
+def test_the_all_reduce_inside_a_node_spans_its_data_parallel_ranks_only():
+    """One node of 8 GPUs in 2 pipeline stages holds 4 replicas of each stage: the gradient is
+    all-reduced among those 4 over NVLink, not among all 8 GPUs of the node, and nothing crosses
+    the network."""
+    e = estimate(JobSpec(**{**BASE, "nodes": 1}, pp=2, microbatches=8))
+    assert (e.dp, e.dp_local, e.dp_nodes) == (4, 4, 1)
+    grad = 7e9 / 2 * 2.0
+    assert e.allreduce_intra_seconds == pytest.approx(ring_allreduce_seconds(grad, 4, 450e9, 2e-6))
+    assert e.allreduce_inter_seconds == 0
+
+
 def test_pipeline_bubble_is_p_minus_1_over_m_and_accumulation_shrinks_it():
     e = estimate(JobSpec(**BASE, pp=4, microbatches=16))
     assert e.bubble_seconds == pytest.approx(e.compute_seconds * 3 / 16)
@@ -180,6 +200,29 @@ def test_sync_wall_is_the_minimum_of_the_node_sweep():
     faster = estimate(JobSpec(**{**BASE, "net_latency_us": 5.0, "mtbf_hours": 24.0, "t_provision": 600.0,
                                  "checkpoint_seconds": 60.0})).sync_wall
     assert faster["nodes"] > wall["nodes"]
+
+
+def test_the_sync_wall_sweep_fails_more_often_on_more_nodes():
+    """Node failures are independent: the cluster's MTBF falls as 1/nodes. The sweep estimates 32
+    nodes of a job measured at 24 h on 16 with an MTBF of 12 h, and 8 nodes with 48 h."""
+    spec = JobSpec(**{**BASE, "t_provision": 600.0}, checkpoint_seconds=60.0, mtbf_hours=24.0)
+    curve = {p["nodes"]: p["predicted_seconds"] for p in estimate(spec).sync_wall["curve"]}
+    for nodes, hours in ((32, 12.0), (8, 48.0)):
+        there = JobSpec(**{**BASE, "t_provision": 600.0, "nodes": nodes}, checkpoint_seconds=60.0,
+                        mtbf_hours=hours)
+        alone = estimate(there, with_sync_wall=False)
+        assert curve[nodes] == pytest.approx(alone.predicted_seconds, rel=1e-12)
+
+
+def test_a_restart_costs_its_catch_up_too():
+    """R is drain + provision + download + reinit + catch-up: a fixed catch-up of 90 s beyond the
+    re-run steps is part of every restart, and of the expected wall time."""
+    spec = dict(**BASE, checkpoint_seconds=30.0, mtbf_hours=24.0)
+    without, catching_up = estimate(JobSpec(**spec)), estimate(JobSpec(**spec, t_catchup=90.0))
+    assert (without.restart_seconds, catching_up.restart_seconds) == (0, 90)
+    assert catching_up.failure_overhead_seconds > without.failure_overhead_seconds
+    assert catching_up.predicted_seconds == pytest.approx(ck.daly_wall_seconds(
+        catching_up.solve_seconds, catching_up.checkpoint_interval_seconds, 30.0, 90.0, DAY))
 
 
 def test_sync_wall_stops_where_the_global_batch_cannot_split_further():
