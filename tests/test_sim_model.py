@@ -73,6 +73,29 @@ def test_derive_over_a_window_equals_per_step_truth():
         assert res.skews == pytest.approx([s.skew for s in window])
 
 
+def test_ranks_arriving_together_are_each_a_last_arrival():
+    """Without jitter, stalls or congestion every rank arrives at the same moment: each one is a
+    last arrival of every step, as the exchange's ``derive`` counts a tie, and none idles."""
+    p = Params(nodes=2, ranks_per_node=2, jitter=0.0, stall_probability=0.0, congestion_rate=0.0)
+    window = steps_of(p, 20)
+    mins = [min(s.idle) for s in window]
+    maxs = [max(s.idle) for s in window]
+    assert all(s.last_arrivals == (0, 1, 2, 3) and s.skew == 0 for s in window)
+    for i in range(p.world_size):
+        assert derive([s.idle[i] for s in window], mins, maxs).last_arrivals == 20
+
+
+def test_the_jitter_factor_is_floored_at_half_the_compute():
+    """At a jitter of 0.5 a sixth of the Gaussian draws (those below -1 sigma) would have a rank
+    compute in less than half its time, down to nothing or less; the factor is floored at 0.5,
+    so about 16 % of the draws take the floor and none goes below it."""
+    p = Params(nodes=2, ranks_per_node=4, jitter=0.5, stall_probability=0.0, congestion_rate=0.0)
+    factors = [sum(ph[:4]) / p.compute_seconds for s in steps_of(p, 300) for ph in s.phases]
+    assert min(factors) == pytest.approx(0.5, rel=1e-12)
+    floored = sum(f == pytest.approx(0.5, rel=1e-12) for f in factors) / len(factors)
+    assert floored == pytest.approx(0.159, abs=0.03)
+
+
 def test_seeded_runs_repeat_and_seeds_differ():
     p = Params(nodes=2, ranks_per_node=2)
     a = [s.step_seconds for s in steps_of(p, 50, seed=3)]
@@ -121,6 +144,16 @@ def test_oscillation_gives_strongly_negative_lag1_autocorrelation():
     assert step_cv(osc) > 5 * step_cv(healthy)
 
 
+def test_oscillation_lengthens_odd_steps_and_shortens_even_ones():
+    """Compute x (1 + a) on odd steps and x (1 - a) on even ones: with nothing else varying, the
+    odd steps take 1.1 s and the even ones 0.9 s of compute, each plus the collective."""
+    p = Params(nodes=2, ranks_per_node=2, jitter=0.0, stall_probability=0.0, congestion_rate=0.0,
+               oscillation=0.1)
+    for s in steps_of(p, 10):
+        compute = 1.1 if s.step % 2 else 0.9
+        assert s.step_seconds == pytest.approx(compute + p.collective_seconds, rel=1e-12), s.step
+
+
 def test_congestion_episodes_inflate_sync_time():
     p = scenario_params("congestion")
     steps = steps_of(p, 400)
@@ -153,6 +186,46 @@ def test_congestion_schedule_is_separate_from_the_random_episodes():
     assert sum(s.congested for s in steps) / 1000 < 0.3
 
 
+@pytest.mark.parametrize(("random", "scheduled"), [(2.0, 5.0), (5.0, 2.0)])
+def test_a_step_in_both_kinds_of_episode_takes_the_larger_factor(random, scheduled):
+    """Every step in a random episode (its chance capped at 1) and every tenth in a scheduled one:
+    those are in both, and their collective takes the larger factor, whichever kind has it."""
+    p = Params(nodes=2, ranks_per_node=2, congestion_rate=1.0, congestion_max=1.0,
+               congestion_factor=random, congestion_every=10, scheduled_congestion_factor=scheduled)
+    factors = {(s.step % 10 == 0, round(s.min_wait / p.collective_seconds, 9))
+               for s in steps_of(p, 40)}
+    assert factors == {(True, max(random, scheduled)), (False, random)}
+
+
+def test_a_random_episode_lasts_its_congestion_steps():
+    """An episode lasts ``congestion_steps`` steps: congested steps come in runs of 5 (or of a
+    multiple of 5, where another episode starts as one ends)."""
+    p = Params(nodes=2, ranks_per_node=2, congestion_rate=0.01, congestion_steps=5)
+    steps = steps_of(p, 2000)
+    runs, length = [], 0
+    for s in steps:
+        if s.congested:
+            length += 1
+        elif length:
+            runs.append(length)
+            length = 0
+    assert len(runs) >= 10 and all(n % 5 == 0 for n in runs), runs
+
+
+def test_the_thermal_scenario_swings_each_nodes_compute_by_6_percent():
+    """Each node's compute follows its own sinusoid of 6 % amplitude: averaged over blocks of
+    15 steps (the jitter out of it), every node's compute reaches about 1.06 and 0.94 of its
+    mean over the 600 steps of two periods."""
+    p = scenario_params("thermal")
+    steps = steps_of(p, 600)
+    R = p.ranks_per_node
+    for node in range(p.nodes):
+        compute = [sorted(sum(ph[:4]) for ph in s.phases[node * R:(node + 1) * R])[R // 2]
+                   for s in steps]
+        blocks = [sum(compute[i:i + 15]) / 15 for i in range(0, 600, 15)]
+        assert 1.05 < max(blocks) < 1.07 and 0.93 < min(blocks) < 0.95, (node, blocks)
+
+
 def test_thermal_drift_moves_the_last_arrival_between_nodes():
     p = scenario_params("thermal")
     m = Model(p, 0)
@@ -182,6 +255,20 @@ def test_restarts_resume_from_checkpoint_and_rerun_steps():
     assert ckpt[:3] == [50, 100, 150] and all(n % 50 == 0 for n in ckpt)
     attempts = [e.attempt for e in events if isinstance(e, StepTruth)]
     assert attempts[0] == 0 and attempts[-1] == 2 and attempts == sorted(attempts)
+
+
+def test_a_restart_is_down_for_its_restart_seconds_of_compute():
+    """``restart_seconds`` counts in steps' compute, as every time of the model: at 0.1 s of
+    compute a step, 5 of them keep the job down 0.5 s between its failure and the new attempt."""
+    p = Params(nodes=2, ranks_per_node=2, compute_seconds=0.1, checkpoint_every=5, fail_after=(7,),
+               restart_seconds=5.0)
+    m = Model(p, 0)
+    before = [m.next() for _ in range(7)]
+    restart, after = m.next(), m.next()
+    assert isinstance(restart, Restart) and isinstance(after, StepTruth)
+    failed = before[-1].start + before[-1].step_seconds
+    assert restart.start - failed == pytest.approx(0.5, rel=1e-9)
+    assert after.start == restart.start and after.step == 6
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
