@@ -119,6 +119,39 @@ def test_report_without_the_skew_exchange_maps_and_projects_from_estimates():
     assert "n/a" not in html and "nan" not in html.lower()
 
 
+def _heatmap_columns(chart: str) -> list[list[float]]:
+    """The values a heatmap shows, column by column, read back from its cells' colours (white 0 to
+    red 1, dark red for a full share; grey cells, without a value, left out)."""
+    columns: dict[float, list[float]] = {}
+    cell = r'<rect x="([0-9.]+)" y="[0-9.]+" width="[0-9.]+" height="[0-9.]+" fill="([^"]+)"/>'
+    for x, fill in re.findall(cell, chart):
+        if fill.startswith("rgb(255,"):
+            columns.setdefault(float(x), []).append(1 - int(fill.split(",")[1]) / 255)
+        elif fill == "rgb(170,0,0)":
+            columns.setdefault(float(x), []).append(1.0)
+    return [columns[x] for x in sorted(columns)]
+
+
+def test_the_straggler_map_shows_each_windows_last_arrivals_as_shares():
+    """Each cell is a rank's share of its window's last arrivals: a healthy job's ranks share
+    every window, each column adding up to the whole (to the colours' 1/255 steps), and no rank
+    takes a whole window; the straggler's rank takes nearly all of each window it straggles in."""
+    for name, rank in (("healthy", None), ("straggler", sim.straggler_rank(32))):
+        truth = sim.run_scenario(name, nodes=4, ranks_per_node=8)
+        run = recording.from_ground_truth(truth, start_wall=1.7e9)
+        html, _ = build(recording.to_view(run, "test"), None)
+        section = re.search(r'<section id="straggler-map">(.*?)</section>', html, re.S).group(1)
+        per_rank = section.split("</svg>")[0]
+        columns = _heatmap_columns(per_rank)
+        assert len(columns) >= 20 and all(len(c) == 32 for c in columns)
+        sums = [sum(c) for c in columns]
+        assert all(x == pytest.approx(1.0, abs=32 / 255) for x in sums), sums
+        if rank is None:
+            assert max(max(c) for c in columns) < 0.5
+        else:
+            assert sum(c[rank] > 0.9 for c in columns) > 0.8 * len(columns)
+
+
 def test_svg_charts_handle_gaps_and_empty_data():
     chart = svg.line_chart("t", [0, 60, 120, 180], {"a": [1.0, None, 2.0, 3.0]}, unit="s")
     assert chart.count("<polyline") == 1 and chart.count("<circle") == 1
