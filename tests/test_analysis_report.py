@@ -152,6 +152,17 @@ def test_the_straggler_map_shows_each_windows_last_arrivals_as_shares():
             assert sum(c[rank] > 0.9 for c in columns) > 0.8 * len(columns)
 
 
+def test_the_projection_curves_reach_64_times_the_measured_nodes():
+    """The projection's sync-wall sweep and its curves run to 64x the measured nodes, as
+    ``project`` sweeps by default: a healthy 4-node job's throughput still rises at 256 nodes."""
+    truth = sim.run_scenario("healthy", nodes=4, ranks_per_node=8)
+    run = recording.from_ground_truth(truth, start_wall=1.7e9)
+    html, _ = build(recording.to_view(run, "test"), None)
+    projection = _text(html, "projection")
+    assert "Sync wall not reached up to 256 nodes." in projection
+    assert projection.count(" 128 256 nodes (log scale)") == 2, projection
+
+
 def test_svg_charts_handle_gaps_and_empty_data():
     chart = svg.line_chart("t", [0, 60, 120, 180], {"a": [1.0, None, 2.0, 3.0]}, unit="s")
     assert chart.count("<polyline") == 1 and chart.count("<circle") == 1
