@@ -10,6 +10,7 @@ job's start (a first collective that never completes). One "fault" must page not
 stall in a job of slow steps (10 s at time scale 1), which is no growing variance. ``run_drill`` returns, per job, when
 the fault started, when Prometheus first had each alert firing, and when the webhook received
 each notification. The end-to-end test asserts on it; benchmarks/detection_latency.py prints it.
+``pipeline`` is the set-up alone, for jobs of one's own (benchmarks/false_pages.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -135,6 +138,64 @@ class _WebhookHandler(BaseHTTPRequestHandler):
         pass
 
 
+@dataclass
+class Pipeline:
+    """A running pipeline: node daemons (UDP on loopback), Prometheus with the shipped rules at a
+    time scale, Alertmanager with the shipped routing (fast timers) and its webhook receiver."""
+    daemons: list[DaemonThread]
+    prom: Prometheus
+    am: Alertmanager
+    webhook: _Webhook
+
+    @property
+    def targets(self) -> list[dict]:
+        """One simulator target per daemon (``ScenarioThread``'s ``targets``)."""
+        return [{"udp": d.udp_address} for d in self.daemons]
+
+    def notifications(self) -> list[dict]:
+        """What the webhook received so far: ``{"at", "receiver", "payload"}`` each."""
+        with self.webhook.lock:
+            return list(self.webhook.received)
+
+
+@contextmanager
+def pipeline(time_scale: float = 0.05, nodes: int = NODES,
+             workdir: str | None = None) -> Iterator[Pipeline]:
+    """Start ``nodes`` daemons (their CV's ``cv_seconds`` scaled as the rules' windows are),
+    Alertmanager, the webhook and Prometheus (1 s scrape and evaluation, rules rendered at
+    ``time_scale``); stop them all on exit. ``workdir`` keeps the rules and the servers' data
+    (Prometheus' TSDB, to query after the run); without it a temporary directory is removed."""
+    work = Path(workdir or tempfile.mkdtemp(prefix="sw-drill-"))
+    rule_files = write(work / "rules", time_scale)
+    webhook = _Webhook()
+    threading.Thread(target=webhook.serve_forever, daemon=True).start()
+    am_base = yaml.safe_load(shipped("deploy/alertmanager/alertmanager.yml").read_text())
+    daemons, servers = [], []
+    try:
+        for n in range(nodes):
+            d = DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=None, udp="127.0.0.1:0",
+                                          cv_seconds=DaemonConfig.cv_seconds * time_scale))
+            d.start()
+            daemons.append(d)
+        am = Alertmanager(alertmanager_config_for_test(am_base, webhook.url), workdir=str(work / "am"))
+        am.start()
+        servers.append(am)
+        prom = Prometheus([d.url.split("//", 1)[1] for d in daemons], rule_files=rule_files,
+                          alertmanager_url=am.url, resend_delay="1s", workdir=str(work / "prom"))
+        prom.start()
+        servers.append(prom)
+        yield Pipeline(daemons, prom, am, webhook)
+    finally:
+        for srv in reversed(servers):
+            srv.stop()
+        for d in daemons:
+            d.stop()
+        webhook.shutdown()
+        webhook.server_close()
+        if workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def run_drill(faults=("healthy", "variance", "straggler", "stall", "start", "one-stall"), *, time_scale: float = 0.05,
               warmup: float | None = None, timeout: float = 190.0, seed: int = 0,
               exchange_every: int = 10, workdir: str | None = None) -> DrillResult:
@@ -150,89 +211,62 @@ def run_drill(faults=("healthy", "variance", "straggler", "stall", "start", "one
     if warmup is None:
         warmup = 20 * 60 * time_scale
     t_start = time.time()
-    work = Path(workdir or tempfile.mkdtemp(prefix="sw-drill-"))
-    rule_files = write(work / "rules", time_scale)
-    webhook = _Webhook()
-    threading.Thread(target=webhook.serve_forever, daemon=True).start()
-    am_base = yaml.safe_load(shipped("deploy/alertmanager/alertmanager.yml").read_text())
-    daemons, sims, servers = [], [], []
+    sims = []
     jobs = {f"drill-{f}": JobResult(f, f"drill-{f}") for f in faults}
-    try:
-        for n in range(NODES):
-            d = DaemonThread(DaemonConfig(listen="127.0.0.1:0", socket=None, udp="127.0.0.1:0",
-                                          cv_seconds=DaemonConfig.cv_seconds * time_scale))
-            d.start()
-            daemons.append(d)
-        am = Alertmanager(alertmanager_config_for_test(am_base, webhook.url), workdir=str(work / "am"))
-        am.start()
-        servers.append(am)
-        prom = Prometheus([d.url.split("//", 1)[1] for d in daemons], rule_files=rule_files,
-                          alertmanager_url=am.url, resend_delay="1s", workdir=str(work / "prom"))
-        prom.start()
-        servers.append(prom)
-        targets = [{"udp": d.udp_address} for d in daemons]
-        for i, job in enumerate(jobs.values()):
-            slow = job.fault == "one-stall"
-            params = dict(compute_seconds=SLOW_STEP_SECONDS * time_scale if slow else COMPUTE_SECONDS)
-            if job.fault in AT_START:
-                params.update(fault_params(job.fault))
-            s = ScenarioThread("healthy", targets, NODES, RANKS_PER_NODE, seed=seed + i, job=job.job,
-                               params=params, exchange_every=exchange_every, heartbeat_every=1.0)
-            s.start()
-            if job.fault in AT_START:
-                job.onset = time.time()
-            sims.append((job, s))
-        onset_at = time.time() + warmup
-        expected = {(EXPECTED[j.fault], j.job) for j in jobs.values() if j.fault in EXPECTED}
-        scores: dict[str, float] = {}
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            now = time.time()
-            if now >= onset_at:
-                for job, s in sims:
-                    if job.onset is None and job.fault != "healthy":
-                        model = s.driver.model
-                        model.p = model.p.with_(**fault_params(job.fault, model.step))
-                        job.onset = time.time()
-            for a in prom.alerts():
-                job = jobs.get(a["labels"].get("train_job", ""))
-                if job and a["state"] == "pending":
-                    job.pending.setdefault(a["labels"]["alertname"], now)
-                if job and a["state"] == "firing" and a["labels"]["alertname"] not in job.firing:
-                    job.firing[a["labels"]["alertname"]] = now
-                    job.firing_labels[a["labels"]["alertname"]] = a["labels"]
-            with webhook.lock:
-                received = list(webhook.received)
-            for note in received:
-                for a in note["payload"]["alerts"]:
+    with pipeline(time_scale, workdir=workdir) as pl:
+        prom = pl.prom
+        try:
+            for i, job in enumerate(jobs.values()):
+                slow = job.fault == "one-stall"
+                params = dict(compute_seconds=SLOW_STEP_SECONDS * time_scale if slow else COMPUTE_SECONDS)
+                if job.fault in AT_START:
+                    params.update(fault_params(job.fault))
+                s = ScenarioThread("healthy", pl.targets, NODES, RANKS_PER_NODE, seed=seed + i,
+                                   job=job.job, params=params, exchange_every=exchange_every,
+                                   heartbeat_every=1.0)
+                s.start()
+                if job.fault in AT_START:
+                    job.onset = time.time()
+                sims.append((job, s))
+            onset_at = time.time() + warmup
+            expected = {(EXPECTED[j.fault], j.job) for j in jobs.values() if j.fault in EXPECTED}
+            scores: dict[str, float] = {}
+            deadline = time.time() + timeout
+            while time.time() < deadline:
+                now = time.time()
+                if now >= onset_at:
+                    for job, s in sims:
+                        if job.onset is None and job.fault != "healthy":
+                            model = s.driver.model
+                            model.p = model.p.with_(**fault_params(job.fault, model.step))
+                            job.onset = time.time()
+                for a in prom.alerts():
                     job = jobs.get(a["labels"].get("train_job", ""))
-                    name = a["labels"]["alertname"]
-                    if job and a["status"] == "firing" and name not in job.notified:
-                        job.notified[name] = note["at"]
-                        job.notified_alerts[name] = a
-                        job.receivers[name] = note["receiver"]
-                        if name == EXPECTED.get(job.fault):
-                            scores.update(_scores(prom, job.job))
-            watched = all(j.onset is not None and now >= j.onset + WATCH_SECONDS[j.fault] * time_scale
-                          for j in jobs.values() if j.fault in WATCH_SECONDS)
-            if watched and all(name in jobs[j].notified for name, j in expected):
-                break
+                    if job and a["state"] == "pending":
+                        job.pending.setdefault(a["labels"]["alertname"], now)
+                    if job and a["state"] == "firing" and a["labels"]["alertname"] not in job.firing:
+                        job.firing[a["labels"]["alertname"]] = now
+                        job.firing_labels[a["labels"]["alertname"]] = a["labels"]
+                for note in pl.notifications():
+                    for a in note["payload"]["alerts"]:
+                        job = jobs.get(a["labels"].get("train_job", ""))
+                        name = a["labels"]["alertname"]
+                        if job and a["status"] == "firing" and name not in job.notified:
+                            job.notified[name] = note["at"]
+                            job.notified_alerts[name] = a
+                            job.receivers[name] = note["receiver"]
+                            if name == EXPECTED.get(job.fault):
+                                scores.update(_scores(prom, job.job))
+                watched = all(j.onset is not None and now >= j.onset + WATCH_SECONDS[j.fault] * time_scale
+                              for j in jobs.values() if j.fault in WATCH_SECONDS)
+                if watched and all(name in jobs[j].notified for name, j in expected):
+                    break
+                for _, s in sims:
+                    if s.error is not None:
+                        raise RuntimeError(f"simulator failed: {s.error!r}") from s.error
+                time.sleep(0.5)
+            scores = {**_scores(prom), **scores}
+            return DrillResult(jobs, pl.notifications(), scores, time.time() - t_start)
+        finally:
             for _, s in sims:
-                if s.error is not None:
-                    raise RuntimeError(f"simulator failed: {s.error!r}") from s.error
-            time.sleep(0.5)
-        scores = {**_scores(prom), **scores}
-        with webhook.lock:
-            notes = list(webhook.received)
-        return DrillResult(jobs, notes, scores, time.time() - t_start)
-    finally:
-        for _, s in sims:
-            s.stop()
-        for srv in reversed(servers):
-            srv.stop()
-        for d in daemons:
-            d.stop()
-        webhook.shutdown()
-        webhook.server_close()
-        if workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
+                s.stop()
