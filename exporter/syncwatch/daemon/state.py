@@ -260,13 +260,12 @@ def window_stats(xs, cv_seconds: float = math.inf) -> tuple[float | None, float 
     ac = None
     if n >= 3 and ss > 0:
         ac = math.fsum(a * b for a, b in zip(dev, dev[1:])) / ss
-    tail = xs[n - cv_steps(xs, cv_seconds):]
-    m = len(tail)
-    if m < 2:
-        return None, ac
-    mean = math.fsum(tail) / m
-    ss = math.fsum((x - mean) ** 2 for x in tail)
-    return (math.sqrt(ss / m) / mean if mean > 0 else None), ac
+    k = cv_steps(xs, cv_seconds)  # at least 2: min(n, CV_MIN_STEPS)
+    if k < n:
+        tail = xs[n - k:]
+        mean = math.fsum(tail) / k
+        ss = math.fsum((x - mean) ** 2 for x in tail)
+    return (math.sqrt(ss / k) / mean if mean > 0 else None), ac
 
 
 class State:
